@@ -1,0 +1,5 @@
+import sys
+
+from nanwatch.cli import main
+
+sys.exit(main())

@@ -1,0 +1,178 @@
+"""The plain-PyTorch entry point: `nanwatch.watch(model)` for a hand-written training loop.
+
+The loop calls `handle.step()` after each micro-batch; that is the batch counter. Passing the optimizer lets nanwatch
+check before every optimizer step, so a step that would apply inf/nan never runs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import torch
+
+from nanwatch.core.config import WatchConfig, resolve_config
+from nanwatch.core.ranks import GlobalDetection
+from nanwatch.core.watcher import Watcher
+
+__all__ = ["watch", "WatchHandle", "unwrap_model"]
+
+
+def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The module inside DistributedDataParallel/DataParallel wrappers, so names read `encoder.0`, not `module.encoder.0`."""
+    while isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
+        model = model.module
+    return model
+
+
+class WatchHandle:
+    """What `watch()` returns: call `step()` after each micro-batch; use it as a context manager or `close()` it."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        config: WatchConfig,
+        *,
+        optimizer: torch.optim.Optimizer | None = None,
+    ) -> None:
+        self.model = unwrap_model(model)
+        self.watcher = Watcher(self.model, config)
+        self.watcher.attach()
+        # Registered after the watcher's own hooks, so on the root they run after its frame was recorded.
+        self.watcher.hooks.add_forward_pre(self.model, self._before_top_forward)
+        self.watcher.hooks.add_forward(self.model, self._after_top_forward)
+        self._agreed_this_batch = False
+        self._closed = False
+        if optimizer is not None:
+            self.guard(optimizer)
+
+    # -------------------------------------------------------------------------------------------- counters
+
+    @property
+    def config(self) -> WatchConfig:
+        return self.watcher.config
+
+    @property
+    def batch_number(self) -> int:
+        """0-indexed count of training micro-batches ended by `step()`."""
+        return self.watcher.batch_number
+
+    @property
+    def optimizer_step(self) -> int | None:
+        return self.watcher.optimizer_step
+
+    @property
+    def epoch(self) -> int | None:
+        return self.watcher.epoch
+
+    @epoch.setter
+    def epoch(self, value: int | None) -> None:
+        self.watcher.epoch = value
+
+    # --------------------------------------------------------------------------------------------- phases
+
+    def _before_top_forward(self, module: torch.nn.Module, args: tuple[Any, ...]) -> None:
+        phase = "train" if module.training else "eval"
+        if phase != self.watcher.phase:
+            self.watcher.set_phase(phase)
+
+    def _after_top_forward(self, module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        # An eval forward is one eval batch; nobody calls step() for it, so it is checked as soon as it returns.
+        if self.watcher.phase == "eval" and self.watcher.recording:
+            local = self.watcher.check_safely()
+            if local is not None:
+                self.watcher.raise_detection(local, GlobalDetection(local.batch_number, self.watcher.rank))
+            self.watcher.end_batch(agree=False)
+
+    # ------------------------------------------------------------------------------------------ the loop
+
+    def guard(self, optimizer: torch.optim.Optimizer) -> None:
+        """Check (and agree across ranks) before each `optimizer.step()`; raise there so the step never runs."""
+        if self.watcher.optimizer_step is None:
+            self.watcher.optimizer_step = 0
+        self.watcher.hooks.add_handle(optimizer.register_step_pre_hook(self._before_optimizer_step))
+        self.watcher.hooks.add_handle(optimizer.register_step_post_hook(self._after_optimizer_step))
+
+    def _before_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self.watcher.check_and_agree()
+        self._agreed_this_batch = True
+
+    def _after_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self.watcher.optimizer_step is not None:
+            self.watcher.optimizer_step += 1
+
+    def step(self) -> None:
+        """End the current training micro-batch: check it, then advance `batch_number`.
+
+        Raises:
+            NonFiniteError: inf/nan was seen in this micro-batch (on any rank, when distributed).
+            BatchLimitReached: this was batch `abort_after_batch_num`.
+        """
+        if self._closed:
+            raise RuntimeError("nanwatch: step() called on a closed watch handle")
+        # The optimizer guard already ran the one collective of this micro-batch; do not run a second.
+        agree = not self._agreed_this_batch
+        self._agreed_this_batch = False
+        if self.watcher.phase != "train":
+            self.watcher.set_phase("train")
+        self.watcher.end_batch(agree=agree)
+
+    def check(self) -> None:
+        """Check now (one host sync, and a collective when distributed) rather than waiting for `step()`."""
+        self.watcher.check_and_agree()
+
+    def close(self) -> None:
+        """Remove every hook; check what was recorded since the last `step()` and log a report if it holds inf/nan."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.watcher.flush()
+        finally:
+            self.watcher.detach()
+
+    def __enter__(self) -> WatchHandle:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None
+    ) -> None:
+        if exc_type is not None:
+            # Never hide the user's exception: log what we saw, remove the hooks, and let it propagate.
+            self.close()
+            return
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            local = self.watcher.check_safely()
+        finally:
+            self.watcher.detach()
+        if local is not None:
+            self.watcher.raise_detection(local, GlobalDetection(local.batch_number, self.watcher.rank))
+
+
+def watch(
+    model: torch.nn.Module,
+    config: WatchConfig | dict[str, Any] | str | Path | None = None,
+    *,
+    optimizer: torch.optim.Optimizer | None = None,
+    **overrides: Any,
+) -> WatchHandle:
+    """Watch every module of `model` for inf/nan.
+
+    Args:
+        model: the model (a DistributedDataParallel wrapper is looked through).
+        config: a `WatchConfig`, a dict of its fields, or the path of a YAML/JSON file; defaults when None.
+        optimizer: if given, nanwatch checks before each of its steps, so inf/nan never reaches the weights.
+        **overrides: fields of `WatchConfig` that replace those of `config`.
+
+    Returns:
+        A handle: call `handle.step()` after each micro-batch; `with watch(model) as handle:` removes the hooks at
+        the end of the block.
+
+    Raises:
+        ConfigError: the config or an override names an unknown field or holds a bad value.
+    """
+    return WatchHandle(model, resolve_config(config, **overrides), optimizer=optimizer)

@@ -1,0 +1,26 @@
+"""The `nanwatch` logger: shown on stderr by default, silenced or redirected with the standard logging API."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+__all__ = ["get_logger"]
+
+_LOGGER_NAME = "nanwatch"
+
+
+def get_logger() -> logging.Logger:
+    """Return the `nanwatch` logger, giving it a stderr handler the first time if the application set none.
+
+    Like transformers, the library logger owns its handler and does not propagate, so reports are not printed twice
+    when the application configures the root logger. Add a handler or set `propagate = True` to route them elsewhere.
+    """
+    logger = logging.getLogger(_LOGGER_NAME)
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+    return logger
