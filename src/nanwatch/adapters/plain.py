@@ -42,7 +42,6 @@ class WatchHandle:
         # Registered after the watcher's own hooks, so on the root they run after its frame was recorded.
         self.watcher.hooks.add_forward_pre(self.model, self._before_top_forward)
         self.watcher.hooks.add_forward(self.model, self._after_top_forward)
-        self._agreed_this_batch = False
         self._closed = False
         if optimizer is not None:
             self.guard(optimizer)
@@ -95,12 +94,10 @@ class WatchHandle:
         self.watcher.hooks.add_handle(optimizer.register_step_post_hook(self._after_optimizer_step))
 
     def _before_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        self.watcher.check_and_agree()
-        self._agreed_this_batch = True
+        self.watcher.before_optimizer_step()
 
     def _after_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if self.watcher.optimizer_step is not None:
-            self.watcher.optimizer_step += 1
+        self.watcher.after_optimizer_step()
 
     def step(self) -> None:
         """End the current training micro-batch: check it, then advance `batch_number`.
@@ -111,12 +108,10 @@ class WatchHandle:
         """
         if self._closed:
             raise RuntimeError("nanwatch: step() called on a closed watch handle")
-        # The optimizer guard already ran the one collective of this micro-batch; do not run a second.
-        agree = not self._agreed_this_batch
-        self._agreed_this_batch = False
         if self.watcher.phase != "train":
             self.watcher.set_phase("train")
-        self.watcher.end_batch(agree=agree)
+        # If the optimizer guard already agreed during this micro-batch, end_batch() runs no second collective.
+        self.watcher.end_batch()
 
     def check(self) -> None:
         """Check now (one host sync, and a collective when distributed) rather than waiting for `step()`."""

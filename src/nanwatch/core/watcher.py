@@ -69,6 +69,7 @@ class Watcher:
         self._tracing = False
         self._traced_batch_started = False
         self._held_report: Report | None = None
+        self._agreed_this_batch = False
         self._update_tracing()
 
     # ----------------------------------------------------------------------------------------------------- hooks
@@ -311,13 +312,37 @@ class Watcher:
             phase=phase,
         )
 
-    def end_batch(self, *, agree: bool = True) -> None:
+    def agreement_point(self) -> None:
+        """Check and agree across ranks now, at a point every rank reaches (before backward or the optimizer step).
+
+        Raises `NonFiniteError` on every rank if any rank saw inf/nan. `end_batch()` then skips its own collective
+        for this micro-batch, so there is at most one all-reduce per micro-batch.
+        """
+        self.check_and_agree()
+        self._agreed_this_batch = True
+
+    def before_optimizer_step(self) -> None:
+        """Call before the optimizer applies the gradients: a step that would apply inf/nan never runs."""
+        self.agreement_point()
+
+    def after_optimizer_step(self) -> None:
+        """Count a completed optimizer step."""
+        self.optimizer_step = 1 if self.optimizer_step is None else self.optimizer_step + 1
+
+    def end_batch(self, *, agree: bool | None = None) -> None:
         """The current micro-batch is over: check it (and agree across ranks), then advance the phase's counter.
+
+        Args:
+            agree: run the check and its collective now. By default, only if no agreement point ran during this
+                micro-batch (frames recorded after it stay pending and are checked at the next one).
 
         Raises:
             NonFiniteError: some rank saw inf/nan in a batch checked now.
             BatchLimitReached: `abort_after_batch_num` was the batch that just ended.
         """
+        if agree is None:
+            agree = not self._agreed_this_batch
+        self._agreed_this_batch = False
         if agree:
             self.check_and_agree()
         if self._phase == "eval":
