@@ -1,0 +1,32 @@
+"""Developer sessions: `nox -s lint`, `nox -s typecheck`, `nox -s tests`."""
+
+from __future__ import annotations
+
+import nox
+
+nox.options.sessions = ["lint", "typecheck", "tests"]
+nox.options.reuse_existing_virtualenvs = True
+
+# The CPU build of torch; a bare `torch` requirement would resolve to a multi-GB CUDA build.
+TORCH = "torch==2.13.0"
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    session.install("ruff>=0.6")
+    session.run("ruff", "check", "src", "tests", "benchmarks", "examples", "noxfile.py")
+    session.run("ruff", "format", "--check", "src", "tests", "benchmarks", "examples", "noxfile.py")
+
+
+@nox.session
+def typecheck(session: nox.Session) -> None:
+    session.install(TORCH)
+    session.install("-e", ".[all]")
+    session.run("mypy", "src")
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    session.install(TORCH)
+    session.install("-e", ".[all]")
+    session.run("python", "-m", "pytest", "-q", *session.posargs)
