@@ -67,8 +67,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def build_model(vocab: int, seq: int, seed: int) -> torch.nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers.utils import logging as transformers_logging
 
-    config = GPT2Config(vocab_size=vocab, n_positions=seq, n_embd=256, n_layer=4, n_head=4)
+    transformers_logging.set_verbosity_error()  # its notes on the config's defaults are noise here
+    config = GPT2Config(
+        vocab_size=vocab,
+        n_positions=seq,
+        n_embd=256,
+        n_layer=4,
+        n_head=4,
+        bos_token_id=vocab - 1,
+        eos_token_id=vocab - 1,
+    )
     torch.manual_seed(seed)
     return GPT2LMHeadModel(config)
 

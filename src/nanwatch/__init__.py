@@ -11,6 +11,7 @@ from nanwatch.core.config import ConfigError, WatchConfig
 from nanwatch.core.report import Report
 from nanwatch.dropin import DebugUnderflowOverflow, detect_overflow
 from nanwatch.errors import BatchLimitReached, NanwatchError, NanwatchWarning, NonFiniteError
+from nanwatch.repro import enable_full_determinism, main_process_first, set_seed
 
 __all__ = [
     "BatchLimitReached",
@@ -24,5 +25,8 @@ __all__ = [
     "WatchHandle",
     "__version__",
     "detect_overflow",
+    "enable_full_determinism",
+    "main_process_first",
+    "set_seed",
     "watch",
 ]

@@ -11,7 +11,14 @@ __all__ = ["main", "build_parser"]
 
 # Modules that define `register(subparsers)`; each adds one subcommand whose handler is stored as `func`.
 # Imported lazily, so `nanwatch --help` stays fast and never imports an optional framework.
-SUBCOMMAND_MODULES: tuple[str, ...] = ("nanwatch.demo",)
+SUBCOMMAND_MODULES: tuple[str, ...] = (
+    "nanwatch.demo",
+    "nanwatch.doctor",
+    "nanwatch.replay",
+    "nanwatch.show",
+    "nanwatch.diff",
+    "nanwatch.plot",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

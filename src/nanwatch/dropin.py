@@ -157,7 +157,8 @@ class DebugUnderflowOverflow:
             raise NonFiniteError(
                 "DebugUnderflowOverflow: inf/nan detected, aborting as there is no point running further. "
                 "Please scroll up above this traceback to see the activation values prior to this event.",
-                batch_number=self.batch_number,
+                # The printed header keeps transformers' count, which the root's own frame has already advanced.
+                batch_number=self.batch_number - 1 if last_frame_of_batch else self.batch_number,
                 rank=0,
                 module_name=self.module_names.get(module),
                 report="",

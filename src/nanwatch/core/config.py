@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import difflib
 import json
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 __all__ = ["WatchConfig", "ConfigError", "resolve_config"]
 
@@ -41,6 +42,12 @@ class WatchConfig(BaseModel):
     trace_ranks: Literal["zero", "all"] | list[int] = Field(
         "zero", description='Which ranks log trace output: "zero", "all", or a list of ranks.'
     )
+    capture_on_detect: bool = Field(
+        False,
+        description="On inf/nan, the detecting process also saves what replaying the failing forward needs (its "
+        "inputs, RNG states, and the weights and buffers as it began) to report_dir/replay-rank{R}-batch{N}.pt, "
+        "for `nanwatch replay`. Costs a copy of the weights at every training forward; needs report_dir.",
+    )
 
     @field_validator("trace_batch_nums")
     @classmethod
@@ -56,6 +63,20 @@ class WatchConfig(BaseModel):
         if isinstance(value, list) and any(r < 0 for r in value):
             raise ValueError(f"ranks cannot be negative, got {value}")
         return value
+
+    @field_validator("max_frames_to_save", "abort_after_batch_num", "trace_batch_nums", "trace_ranks", mode="before")
+    @classmethod
+    def _no_booleans(cls, value: Any) -> Any:
+        # YAML reads `true`/`yes` as a bool, which pydantic would quietly take for the number 1.
+        if isinstance(value, bool) or (isinstance(value, list) and any(isinstance(item, bool) for item in value)):
+            raise ValueError(f"expected whole numbers, not booleans, got {value!r}")
+        return value
+
+    @model_validator(mode="after")
+    def _capture_needs_report_dir(self) -> WatchConfig:
+        if self.capture_on_detect and self.report_dir is None:
+            raise ValueError("capture_on_detect=True needs report_dir: the replay file is written there")
+        return self
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], *, source: str = "config") -> WatchConfig:
@@ -103,7 +124,9 @@ def _describe(error: ValidationError, source: str) -> str:
         field = ".".join(str(part) for part in item["loc"]) or "(root)"
         if item["type"] == "extra_forbidden":
             known = ", ".join(WatchConfig.model_fields)
-            problems.append(f"unknown field {field!r} (known fields: {known})")
+            near = difflib.get_close_matches(field, list(WatchConfig.model_fields), n=1)
+            hint = f"did you mean {near[0]!r}? " if near else ""
+            problems.append(f"unknown field {field!r} ({hint}known fields: {known})")
         else:
             problems.append(f"field {field!r}: {item['msg']} (got {item.get('input')!r})")
     return f"{source}: " + "; ".join(problems)

@@ -14,6 +14,7 @@ __all__ = [
     "MODULE_INDENT",
     "TABLE_HEADER",
     "Report",
+    "format_batch_start",
     "format_entry",
     "format_frame",
     "format_module_line",
@@ -24,6 +25,12 @@ __all__ = [
 # transformers writes a module line as a 17-space prefix, a space, then the name: the name starts in column 19.
 MODULE_INDENT = " " * 17
 TABLE_HEADER = f"{'abs min':8} {'abs max':8} metadata"
+
+
+def format_batch_start(batch_number: int, rank: int, world_size: int) -> str:
+    """The line that opens each traced batch (with the rank when there is more than one process)."""
+    where = f" on rank {rank}" if world_size > 1 else ""
+    return f"{MODULE_INDENT} *** Starting batch number={batch_number}{where} ***"
 
 
 def format_module_line(module_name: str, class_name: str) -> str:

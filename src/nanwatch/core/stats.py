@@ -6,6 +6,7 @@ are exact in any dtype), so the numbers printed later are the ones transformers 
 
 from __future__ import annotations
 
+import threading
 import weakref
 from dataclasses import dataclass
 
@@ -37,62 +38,159 @@ class Measurement:
 
 def measure(tensor: torch.Tensor) -> Measurement:
     """Launch the kernels for abs-min/abs-max of `tensor`; never raises for odd tensors, says why instead."""
+    if tensor.is_nested:
+        # A nested tensor has no single shape (asking for it raises); an eval-mode nn.TransformerEncoder with a
+        # padding mask passes these between its layers. Its numbers are those of all its components together.
+        flat = measure(torch.cat([part.reshape(-1) for part in tensor.detach().unbind()]))
+        return Measurement(flat.abs_min, flat.abs_max, tensor.dtype, None, flat.skipped)
     shape = tuple(tensor.shape)
     dtype = tensor.dtype
-    if tensor.device.type == "meta":
+    if tensor.is_meta:
         return Measurement(None, None, dtype, shape, skipped="meta")
     if tensor.layout is not torch.strided:
         return Measurement(None, None, dtype, shape, skipped=str(tensor.layout).replace("torch.", ""))
     if tensor.numel() == 0:
         return Measurement(None, None, dtype, shape, skipped="empty")
     data = tensor.detach()
-    if data.dtype is torch.bool:
+    if dtype in _ABS_KEEPS_DTYPE:
+        abs_min, abs_max = _abs_aminmax(data)
+        return Measurement(abs_min, abs_max, dtype, shape)
+    if dtype is torch.bool:
         magnitude = data.to(torch.uint8)
-    elif data.dtype in FLOAT8_DTYPES:
+    elif dtype in FLOAT8_DTYPES:
         # float8 has no reduction kernels; every float8 value is exact in float32.
         magnitude = data.float().abs_()
-    elif data.dtype.is_complex or data.is_quantized:
-        magnitude = data.dequantize().abs() if data.is_quantized else data.abs()
-    else:
+    elif data.is_quantized:
+        magnitude = data.dequantize().abs()
+    else:  # complex: abs() is the (real) magnitude
         magnitude = data.abs()
     abs_min, abs_max = torch.aminmax(magnitude)
     return Measurement(abs_min, abs_max, dtype, shape)
+
+
+# The dtypes whose abs() has the same dtype, so the magnitudes can be written into a reused buffer.
+_ABS_KEEPS_DTYPE: frozenset[torch.dtype] = frozenset(
+    (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+    + (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
+)
+# Up to this many elements a fresh abs() is as cheap as anything (small allocations are recycled by malloc).
+_SMALL = 1 << 15
+# CPU: magnitudes go through a reused buffer of this many elements. A fresh abs() of a large tensor is a fresh
+# allocation, which glibc serves with mmap and the kernel with page faults: for 32 MiB of logits that costs more
+# than the abs itself. A chunk this size also stays in cache between the abs and the aminmax that reads it.
+_CPU_CHUNK = 1 << 20
+# Other devices have caching allocators; chunks there only bound the temporary copy of a huge tensor (logits).
+_DEVICE_CHUNK = 1 << 26
+_scratch = threading.local()  # per thread: a forward may run in several threads (DataParallel, user threads)
+
+
+def _abs_aminmax(data: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`torch.aminmax(data.abs())`, the same numbers, without a full-size temporary for large tensors."""
+    numel = data.numel()
+    if numel <= _SMALL:
+        return torch.aminmax(data.abs())
+    on_cpu = data.device.type == "cpu"
+    chunk = _CPU_CHUNK if on_cpu else _DEVICE_CHUNK
+    contiguous = data.is_contiguous()
+    if numel > chunk and not contiguous:
+        return torch.aminmax(data.abs())  # rare: a large strided view
+    if not on_cpu:
+        if numel <= chunk:
+            return torch.aminmax(data.abs())
+        flat = data.view(-1)
+        parts = [torch.aminmax(flat[start : start + chunk].abs()) for start in range(0, numel, chunk)]
+    else:
+        buffers: dict[torch.dtype, torch.Tensor] | None = getattr(_scratch, "buffers", None)
+        if buffers is None:
+            buffers = _scratch.buffers = {}
+        buffer = buffers.get(data.dtype)
+        if buffer is None:
+            with torch.inference_mode(False):  # an inference tensor could not be written outside inference mode
+                buffer = buffers[data.dtype] = torch.empty(_CPU_CHUNK, dtype=data.dtype)
+        if numel <= chunk:
+            target = buffer[:numel] if contiguous else buffer[:numel].view(data.shape)
+            return torch.aminmax(torch.abs(data.view(-1) if contiguous else data, out=target))
+        flat = data.view(-1)
+        parts = []
+        for start in range(0, numel, chunk):
+            part = flat[start : start + chunk]
+            parts.append(torch.aminmax(torch.abs(part, out=buffer[: part.numel()])))
+    # min and max propagate nan, so a nan in any chunk gives nan, as a single aminmax would.
+    return torch.stack([part[0] for part in parts]).min(), torch.stack([part[1] for part in parts]).max()
+
+
+def _fingerprint(tensor: torch.Tensor) -> tuple[int, torch.dtype, int]:
+    """What changes when a tensor's values may have: its version, and its storage and dtype (`.data =` assignment,
+    as `model.half()` and `.to()` do, keeps both the object and its `_version`)."""
+    try:
+        pointer = tensor.data_ptr()
+    except RuntimeError:  # a wrapper subclass (DTensor) has no storage of its own
+        pointer = -1
+    return tensor._version, tensor.dtype, pointer
+
+
+def _view_root(tensor: torch.Tensor) -> torch.Tensor:
+    base = tensor._base
+    return tensor if base is None else base
 
 
 class StatsCache:
     """Remembers measurements so a tensor seen twice unchanged is measured once.
 
     Parameters do not change during a forward, and a module's output is usually the next module's input. A tensor's
-    `_version` goes up with every in-place change (a ReLU(inplace=True) after the module, an optimizer step), so
-    a (tensor, version) pair is what a measurement belongs to. Activations are held by weak reference, so the cache
-    never keeps a tensor alive; parameters live as long as the model anyway.
+    `_version` goes up with every in-place change (a ReLU(inplace=True) after the module, an optimizer step), and
+    its storage or dtype changes when `.data` is replaced, so a (tensor, fingerprint) pair is what a measurement
+    belongs to. Writes that bypass the version counter (fused optimizers, `p.data.add_()`) are invisible to any key:
+    the watcher calls `forget_parameters()` between training batches for them. Activations are held by weak
+    reference, so the cache never keeps a tensor alive; parameters live as long as the model anyway.
     """
 
     def __init__(self) -> None:
-        self._params: dict[int, tuple[torch.Tensor, int, Measurement]] = {}
-        self._activations: dict[int, tuple[weakref.ref[torch.Tensor], int, Measurement]] = {}
+        self._params: dict[int, tuple[torch.Tensor, tuple[int, torch.dtype, int], Measurement]] = {}
+        self._activations: dict[object, tuple[weakref.ref[torch.Tensor], int, Measurement]] = {}
 
     def parameter(self, param: torch.Tensor) -> Measurement:
+        if param.is_inference():  # inference tensors keep no version counter (a model built under inference_mode)
+            return measure(param)
         key = id(param)
-        version = param._version
+        fingerprint = _fingerprint(param)
         hit = self._params.get(key)
-        if hit is not None and hit[0] is param and hit[1] == version:
+        if hit is not None and hit[0] is param and hit[1] == fingerprint:
             return hit[2]
         measurement = measure(param)
-        self._params[key] = (param, version, measurement)
+        self._params[key] = (param, fingerprint, measurement)
         return measurement
 
     def activation(self, tensor: torch.Tensor) -> Measurement:
-        if tensor.is_inference():  # inference tensors keep no version counter
+        # Inference tensors keep no version counter; nested tensors have no shape or stride to key on.
+        if tensor.is_inference() or tensor.is_nested:
             return measure(tensor)
-        key = id(tensor)
         version = tensor._version
+        try:
+            pointer = tensor.data_ptr()
+        except RuntimeError:  # a wrapper subclass (DTensor) has no storage of its own
+            pointer = 0
+        # Keyed by where the values live, so a view with the same layout (`hidden[:, -n:, :]` with n the length,
+        # `input_ids.view(-1, n)`) shares the measurement of the tensor it views; transformers models pass such views
+        # between modules, and the logits too. Only views of one base count (they share its version counter, so an
+        # in-place change through either is seen); `.data` aliases have counters of their own and are measured
+        # apart. Storage-less tensors fall back to identity.
+        key: object = (pointer, tensor.dtype, tensor.shape, tensor.stride()) if pointer else id(tensor)
         hit = self._activations.get(key)
-        if hit is not None and hit[0]() is tensor and hit[1] == version:
-            return hit[2]
+        if hit is not None and hit[1] == version:
+            seen = hit[0]()  # alive, so its memory cannot have been freed and reused by the tensor looked up
+            if seen is tensor:
+                if pointer or hit[2].dtype == tensor.dtype:
+                    return hit[2]
+            elif seen is not None and pointer and _view_root(seen) is _view_root(tensor):
+                return hit[2]  # views of one base share one version counter: equal versions, equal values
         measurement = measure(tensor)
         self._activations[key] = (weakref.ref(tensor), version, measurement)
         return measurement
+
+    def forget_parameters(self) -> None:
+        """Drop parameter entries (between training batches), for writes no fingerprint sees: fused optimizers."""
+        self._params.clear()
 
     def forget_activations(self) -> None:
         """Drop activation entries (at the end of each batch), so ids of freed tensors are not reused by mistake."""

@@ -13,13 +13,15 @@ from typing import Any, NoReturn
 
 import torch
 
+from nanwatch.core.capture import ReplayCapture
 from nanwatch.core.config import WatchConfig
 from nanwatch.core.frames import Entry, Frame, FrameRing, find_non_finite, resolve
 from nanwatch.core.hooks import HookSet, named_unique_modules
+from nanwatch.core.jsonl import count_non_finite, trace_records
 from nanwatch.core.log import get_logger
-from nanwatch.core.output import append_trace, write_report
+from nanwatch.core.output import append_trace, append_trace_records, write_report
 from nanwatch.core.ranks import GlobalDetection, agree_on_detection, world_size_and_rank
-from nanwatch.core.report import MODULE_INDENT, TABLE_HEADER, Report, format_frame
+from nanwatch.core.report import TABLE_HEADER, Report, format_batch_start, format_frame
 from nanwatch.core.stats import StatsCache
 from nanwatch.core.walk import TooDeep, TooMany, walk
 from nanwatch.errors import BatchLimitReached, NanwatchWarning, NonFiniteError
@@ -68,8 +70,11 @@ class Watcher:
         self._disabled_reason: str | None = None
         self._tracing = False
         self._traced_batch_started = False
+        self._traced_batch = -1  # the batch whose trace header was written, and how many of its frames
+        self._traced_frames = 0
         self._held_report: Report | None = None
         self._agreed_this_batch = False
+        self._capture: ReplayCapture | None = None  # only with capture_on_detect: off, it costs nothing
         self._update_tracing()
 
     # ----------------------------------------------------------------------------------------------------- hooks
@@ -80,6 +85,10 @@ class Watcher:
             raise RuntimeError("nanwatch: hooks are already attached; call detach() first")
         for name, module in modules if modules is not None else named_unique_modules(self.model):
             self._hooks.add_forward(module, self._make_hook(name, type(module).__name__))
+        if self.config.capture_on_detect:
+            # After the frame hooks, so on the root its forward hook runs once the root's frame is recorded.
+            self._capture = ReplayCapture(self)
+            self._capture.attach(self._hooks)
 
     def detach(self) -> None:
         """Remove every hook nanwatch put on the model; afterwards the model carries none of ours."""
@@ -116,6 +125,9 @@ class Watcher:
         """Say which kind of forward comes next: "train" (counted as batch_number) or "eval" (counted apart)."""
         if phase not in PHASES:
             raise ValueError(f"phase can be one of {PHASES}, got {phase!r}")
+        if phase != self._phase:
+            # Weights are often swapped through `.data` around evaluation (EMA), which no version counter shows.
+            self._cache.forget_parameters()
         self._phase = phase
         self._recording = self._disabled_reason is None and (phase == "train" or self.config.watch_eval)
         self._update_tracing()
@@ -147,7 +159,7 @@ class Watcher:
                 self._add_leaves(entries, output, "output")
         self._pending.append(frame)
         if self._tracing:
-            self._trace(frame)
+            self._trace(frame, module, args, output)
         if len(self._pending) > _MAX_PENDING_FRAMES:
             self._commit_if_clean()
 
@@ -198,17 +210,33 @@ class Watcher:
             return self.rank == 0
         return self.rank in ranks
 
-    def _trace(self, frame: Frame) -> None:
+    def _trace(self, frame: Frame, module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
         lines = []
-        if not self._traced_batch_started:
+        # Each traced batch opens with its own header, consecutive ones (149 and 150) included.
+        if not self._traced_batch_started or frame.batch_number != self._traced_batch:
             self._traced_batch_started = True
-            where = f" on rank {self.rank}" if self.world_size > 1 else ""
-            lines += [f"{MODULE_INDENT} *** Starting batch number={frame.batch_number}{where} ***", TABLE_HEADER]
-        lines.append(format_frame(resolve([frame])[0]))
+            self._traced_batch = frame.batch_number
+            self._traced_frames = 0
+            lines += [format_batch_start(frame.batch_number, self.rank, self.world_size), TABLE_HEADER]
+        resolved = resolve([frame])[0]
+        lines.append(format_frame(resolved))
         text = "\n".join(lines)
         self.logger.info(text)
         if self.config.report_dir is not None:
             append_trace(self.config.report_dir, self.rank, text)
+            # The tensors are alive only now: count nan/inf of the non-finite lines (tracing only, never untraced).
+            counts = count_non_finite(resolved, module, args, output)
+            records = trace_records(
+                resolved,
+                frame_index=self._traced_frames,
+                rank=self.rank,
+                world_size=self.world_size,
+                optimizer_step=self.optimizer_step,
+                epoch=self.epoch,
+                counts=counts,
+            )
+            append_trace_records(self.config.report_dir, self.rank, records)
+        self._traced_frames += 1
 
     # ----------------------------------------------------------------------------------------------- checking
 
@@ -250,7 +278,8 @@ class Watcher:
 
     def _commit_if_clean(self) -> None:
         report = self.check()
-        if report is not None:  # keep it for the next end_batch(): raising here would skip the collective
+        # Keep it for the next end_batch() (raising here would skip the collective); the first detection is the one.
+        if report is not None and self._held_report is None:
             self._held_report = report
 
     def check_safely(self) -> Report | None:
@@ -272,9 +301,13 @@ class Watcher:
     def check_and_agree(self) -> None:
         """Check locally, agree across ranks, and raise `NonFiniteError` on every rank if any rank saw inf/nan."""
         local = self.check_safely()
+        if local is not None:
+            # On disk before the collective: once other ranks learn of it they may exit, and a launcher such as
+            # torchrun can then kill this process before it gets further.
+            self.publish(local)
         agreed = self.agree(local)
         if agreed is not None:
-            self.raise_detection(local, agreed)
+            self.raise_detection(local, agreed, published=True)
 
     def publish(self, report: Report) -> None:
         """Write the report to `report_dir` (first: it must be on disk before anything raises), then log it."""
@@ -285,10 +318,15 @@ class Watcher:
             except OSError as error:
                 self.logger.warning(f"nanwatch could not write the report to {self.config.report_dir}: {error}")
         self.logger.error("\n" + text + "\n")
+        if self._capture is not None:
+            self._capture.save(report)  # never raises; the replay file is on disk before the detection is raised
 
-    def raise_detection(self, local: Report | None, agreed: GlobalDetection) -> NoReturn:
-        """Publish this rank's report (if it saw inf/nan) and raise the same `NonFiniteError` on every rank."""
-        if local is not None:
+    def raise_detection(self, local: Report | None, agreed: GlobalDetection, *, published: bool = False) -> NoReturn:
+        """Publish this rank's report (if it saw inf/nan and `published` is False) and raise `NonFiniteError`.
+
+        Every rank raises the same error: the detecting rank and batch agreed on by `agree()`.
+        """
+        if local is not None and not published:
             self.publish(local)
         mine = local is not None and local.batch_number == agreed.batch_number and agreed.rank == self.rank
         module_name = local.module_name if mine and local is not None else None
@@ -329,6 +367,20 @@ class Watcher:
         """Count a completed optimizer step."""
         self.optimizer_step = 1 if self.optimizer_step is None else self.optimizer_step + 1
 
+    def end_eval_batch(self) -> None:
+        """An eval forward is over: check it on this rank alone and count it in `eval_batch_number`.
+
+        No collective (evaluation often runs on some ranks only), and the open training micro-batch keeps its
+        agreement state, so the training side still runs at most one all-reduce per micro-batch.
+
+        Raises:
+            NonFiniteError: this rank saw inf/nan (raised on this rank only).
+        """
+        local = self.check_safely()
+        if local is not None:
+            self.raise_detection(local, GlobalDetection(local.batch_number, self.rank))
+        self.eval_batch_number += 1
+
     def end_batch(self, *, agree: bool | None = None) -> None:
         """The current micro-batch is over: check it (and agree across ranks), then advance the phase's counter.
 
@@ -349,6 +401,8 @@ class Watcher:
             self.eval_batch_number += 1
             return
         self.batch_number += 1
+        # The optimizer may have written the weights in a way `_version` does not show (fused kernels, `p.data`).
+        self._cache.forget_parameters()
         self._update_tracing()
         limit = self.config.abort_after_batch_num
         if limit is not None and self.batch_number > limit:

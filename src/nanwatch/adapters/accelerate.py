@@ -1,0 +1,226 @@
+"""The Accelerate adapter: `OverflowTracker`, a tracker you pass to `Accelerator(log_with=[...])`.
+
+Accelerate calls a tracker's `log()` on the main process only and resets `accelerator.step` every epoch, so neither
+drives nanwatch. After `accelerator.prepare(...)`, every rank calls `tracker.attach(accelerator, model)`, which puts:
+
+- a forward hook on every module of the unwrapped model (the core's recording);
+- a forward pre-hook on the unwrapped root: a training-mode forward starts a new micro-batch and ends the previous
+  one (its check, and the all-reduce if no optimizer step agreed on it yet), so every micro-batch counts under
+  gradient accumulation; an eval-mode forward is not counted or watched unless `watch_eval`;
+- step pre/post hooks on the real optimizer inside each prepared `AcceleratedOptimizer`: it only runs on the
+  micro-batch that ends an accumulation window (`sync_gradients`), on every rank, so the check and its all-reduce
+  happen there, before the weights change. A step GradScaler skips never reaches the hooks: nothing is applied,
+  and the micro-batch is checked at the next forward instead.
+
+The epoch is the `iteration` of the prepared dataloader being iterated, unless `set_epoch()` says otherwise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from nanwatch.core.config import WatchConfig, resolve_config
+from nanwatch.core.watcher import Watcher
+from nanwatch.errors import NanwatchError
+
+_IMPORT_ERROR: ImportError | None = None
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+    from accelerate.tracking import GeneralTracker
+else:
+    try:
+        from accelerate.tracking import GeneralTracker
+    except ImportError as error:  # the class must still exist, so that constructing it can say what is missing
+        GeneralTracker = object
+        _IMPORT_ERROR = error
+
+__all__ = ["OverflowTracker"]
+
+
+class OverflowTracker(GeneralTracker):  # type: ignore[misc]
+    """Watches a model trained with Accelerate for inf/nan; every rank stops together at the first one.
+
+    Args:
+        config: a `WatchConfig`, a dict of its fields, or the path of a YAML/JSON file; defaults when None.
+        **overrides: fields of `WatchConfig` that replace those of `config`.
+
+    Raises:
+        ImportError: accelerate is not installed.
+        ConfigError: the config or an override names an unknown field or holds a bad value.
+    """
+
+    name = "nanwatch"
+    requires_logging_directory = False
+    # attach() and the hooks run on every process; only log() and finish() are called by Accelerate on the main one.
+    main_process_only = False
+
+    def __init__(self, config: WatchConfig | dict[str, Any] | str | Path | None = None, **overrides: Any) -> None:
+        if _IMPORT_ERROR is not None:
+            raise ImportError(
+                'OverflowTracker needs the "accelerate" package; install it with: pip install "nanwatch[accelerate]"'
+            ) from _IMPORT_ERROR
+        super().__init__()
+        self.config = resolve_config(config, **overrides)
+        self.watcher: Watcher | None = None
+        self._accelerator: Accelerator | None = None
+        self._batch_open = False
+        self._user_epoch: int | None = None
+        self._pending_state: dict[str, Any] | None = None
+
+    @property
+    def tracker(self) -> Watcher | None:
+        """The core `Watcher` (None before `attach()`)."""
+        return self.watcher
+
+    def log(self, values: dict[str, Any], step: int | None = None, **kwargs: Any) -> None:
+        """Accepts `accelerator.log()` calls and ignores them: nanwatch counts from hooks on every rank instead."""
+
+    def finish(self) -> None:
+        """Called by `accelerator.end_training()` (main process only): remove this process's hooks."""
+        self.detach()
+
+    # ------------------------------------------------------------------------------------------------ attaching
+
+    def attach(
+        self,
+        accelerator: Accelerator,
+        model: torch.nn.Module,
+        optimizers: torch.optim.Optimizer | list[torch.optim.Optimizer] | None = None,
+    ) -> OverflowTracker:
+        """Start watching; call it on every rank, after `accelerator.prepare(...)`.
+
+        Args:
+            accelerator: the `Accelerator` that prepared `model`.
+            model: the prepared model (a DistributedDataParallel wrapper is looked through for module names).
+            optimizers: the optimizer(s) whose steps are guarded; by default every optimizer `accelerator` prepared.
+
+        Returns:
+            The tracker itself, so `with tracker.attach(accelerator, model):` removes the hooks at the end.
+        """
+        if self.watcher is not None and self.watcher.attached:
+            raise RuntimeError("nanwatch: OverflowTracker is already attached; call detach() first")
+        self._accelerator = accelerator
+        root = accelerator.unwrap_model(model, keep_torch_compile=False)
+        watcher = Watcher(root, self.config, rank=accelerator.process_index, world_size=accelerator.num_processes)
+        if self._pending_state is not None:
+            watcher.load_state_dict(self._pending_state)
+            self._pending_state = None
+        if self._user_epoch is not None:
+            watcher.epoch = self._user_epoch
+        watcher.attach()
+        # First of the root's pre-hooks: the previous micro-batch ends (and may be reported, with its replay copy)
+        # before anything starts recording the new one.
+        watcher.hooks.add_handle(root.register_forward_pre_hook(self._before_root_forward, prepend=True))
+        watcher.hooks.add_forward(root, self._after_root_forward)
+        if optimizers is None:
+            optimizers = list(getattr(accelerator, "_optimizers", []))
+        elif isinstance(optimizers, torch.optim.Optimizer):
+            optimizers = [optimizers]
+        for index, optimizer in enumerate(optimizers):
+            # AcceleratedOptimizer is no torch Optimizer inside (it skips Optimizer.__init__): hook the real one.
+            real = getattr(optimizer, "optimizer", optimizer)
+            watcher.hooks.add_handle(real.register_step_pre_hook(self._before_optimizer_step))
+            if index == 0:  # several optimizers step together; count the steps of one
+                watcher.hooks.add_handle(real.register_step_post_hook(self._after_optimizer_step))
+        if optimizers and watcher.optimizer_step is None:
+            watcher.optimizer_step = 0
+        self.watcher = watcher
+        self._batch_open = False
+        return self
+
+    def detach(self) -> None:
+        """Remove every hook (on all modules and optimizers); log a report if the last frames hold inf/nan."""
+        watcher = self.watcher
+        if watcher is None or not watcher.attached:
+            return
+        try:
+            watcher.flush()
+        finally:
+            watcher.detach()
+
+    def __enter__(self) -> OverflowTracker:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None
+    ) -> None:
+        self.detach()
+
+    # ------------------------------------------------------------------------------------------------ counters
+
+    @property
+    def batch_number(self) -> int:
+        """The current 0-indexed training micro-batch."""
+        return 0 if self.watcher is None else self.watcher.batch_number
+
+    def set_epoch(self, epoch: int) -> None:
+        """Say which epoch runs now (replaces the epoch read from the prepared dataloader)."""
+        self._user_epoch = epoch
+        if self.watcher is not None:
+            self.watcher.epoch = epoch
+
+    def state_dict(self) -> dict[str, Any]:
+        """The counters, so `accelerator.register_for_checkpointing(tracker)` keeps them across a resume."""
+        if self.watcher is None:
+            return {}
+        state = self.watcher.state_dict()
+        if self._batch_open:  # saved between micro-batches: the one that ran is over, the next forward is a new one
+            state["batch_number"] += 1
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if not state:
+            return
+        if self.watcher is None:
+            self._pending_state = dict(state)
+        else:
+            self.watcher.load_state_dict(state)
+        self._batch_open = False
+
+    # --------------------------------------------------------------------------------------------------- hooks
+
+    def _stopping(self, action: Callable[[], None]) -> None:
+        # A detection or the batch limit ends the run: remove the hooks before the error leaves nanwatch.
+        try:
+            action()
+        except NanwatchError:
+            if self.watcher is not None:
+                self.watcher.detach()
+            raise
+
+    def _before_root_forward(self, module: torch.nn.Module, args: tuple[Any, ...]) -> None:
+        watcher = self.watcher
+        if watcher is None:
+            return
+        if not module.training:
+            if watcher.phase != "eval":
+                watcher.set_phase("eval")  # the open training micro-batch stays open across evaluation
+            return
+        if watcher.phase != "train":
+            watcher.set_phase("train")
+        if self._batch_open:
+            self._stopping(watcher.end_batch)
+        self._batch_open = True
+        if self._user_epoch is None and self._accelerator is not None:
+            dataloader = self._accelerator.gradient_state.active_dataloader
+            iteration = getattr(dataloader, "iteration", None)
+            if isinstance(iteration, int):
+                watcher.epoch = iteration
+
+    def _after_root_forward(self, module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        watcher = self.watcher
+        if watcher is not None and watcher.phase == "eval" and watcher.recording:
+            self._stopping(watcher.end_eval_batch)
+
+    def _before_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self.watcher is not None:
+            self._stopping(self.watcher.before_optimizer_step)
+
+    def _after_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self.watcher is not None:
+            self.watcher.after_optimizer_step()

@@ -1,0 +1,165 @@
+"""The transformers `Trainer` adapter: `Trainer(..., callbacks=[OverflowTrainerCallback(config)])`.
+
+Counters: `batch_number` counts every training micro-batch (each `training_step` call); a micro-batch ends at
+`on_substep_end`, or at `on_pre_optimizer_step` when it is the last one before an optimizer step. Both are reached by
+every rank, so the one all-reduce per micro-batch sits there, and a step that would apply inf/nan never runs. The
+report's optimizer step is `state.global_step` (steps completed so far) and its epoch is `floor(state.epoch)`.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from nanwatch.adapters.plain import unwrap_model
+from nanwatch.core.config import WatchConfig, resolve_config
+from nanwatch.core.watcher import Watcher
+
+try:
+    from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+except ImportError as error:  # constructing the callback reports it; importing this module alone must not fail
+    _MISSING_TRANSFORMERS: ImportError | None = error
+    TrainerCallback = object  # type: ignore[misc,assignment]
+    TrainerControl = TrainerState = TrainingArguments = Any  # type: ignore[misc,assignment]
+else:
+    _MISSING_TRANSFORMERS = None
+
+__all__ = ["OverflowTrainerCallback"]
+
+
+class OverflowTrainerCallback(TrainerCallback):  # type: ignore[misc,unused-ignore]
+    """Watches every module of the model a transformers `Trainer` trains, and stops the run at the first inf/nan.
+
+    Every rank raises `NonFiniteError` (carrying the detecting rank and batch) before the optimizer step that would
+    apply the bad micro-batch, so the weights stay those from before it. The rank that saw inf/nan logs its report
+    and writes it to `report_dir`. Evaluation forwards are only watched with `watch_eval=True`, counted apart.
+
+    Hooks are attached in `on_train_begin` and removed in `on_train_end` and before nanwatch raises. The Trainer
+    tells callbacks nothing when something else raises: the next `train()` removes stale hooks, or call `close()`.
+
+    Args:
+        config: a `WatchConfig`, a dict of its fields, or the path of a YAML/JSON file; defaults when None.
+        **overrides: fields of `WatchConfig` that replace those of `config`.
+
+    Raises:
+        ImportError: transformers is not installed.
+        ConfigError: the config or an override names an unknown field or holds a bad value.
+    """
+
+    def __init__(self, config: WatchConfig | dict[str, Any] | str | Path | None = None, **overrides: Any) -> None:
+        if _MISSING_TRANSFORMERS is not None:
+            raise ImportError(
+                "OverflowTrainerCallback needs the transformers package, which is not installed: "
+                'pip install "nanwatch[transformers]"'
+            ) from _MISSING_TRANSFORMERS
+        self.config = resolve_config(config, **overrides)
+        self.watcher: Watcher | None = None
+
+    # ------------------------------------------------------------------------------------------- lifecycle
+
+    def on_train_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        model = kwargs.get("model")
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(
+                f"OverflowTrainerCallback expects the Trainer to pass its model, got {type(model).__name__}"
+            )
+        self.close()  # hooks left by an earlier train() that raised something other than our own error
+        root = unwrap_model(model)
+        # Rank and world size come from torch.distributed (as args.process_index does): its default group carries
+        # the agreement all-reduce.
+        watcher = Watcher(root, self.config)
+        watcher.load_state_dict(
+            {
+                "batch_number": _micro_batches_done(args, state, kwargs.get("train_dataloader")),
+                "optimizer_step": state.global_step,
+                "epoch": _whole_epoch(state),
+            }
+        )
+        watcher.attach()
+        watcher.hooks.add_forward_pre(root, self._before_top_forward)
+        self.watcher = watcher
+
+    def on_train_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        watcher = self.watcher
+        if watcher is None:
+            return
+        try:
+            watcher.flush()  # only eval forwards can still be pending; local check, no collective at this point
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Remove every hook nanwatch put on the model (safe to call more than once)."""
+        if self.watcher is not None:
+            self.watcher.detach()
+            self.watcher = None
+
+    # ----------------------------------------------------------------------------------------- micro-batches
+
+    def _before_top_forward(self, module: torch.nn.Module, args: tuple[Any, ...]) -> None:
+        # The Trainer calls model.train() before each training_step and model.eval() before evaluating.
+        watcher = self.watcher
+        phase = "train" if module.training else "eval"
+        if watcher is not None and phase != watcher.phase:
+            watcher.set_phase(phase)
+
+    def on_substep_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        self._end_micro_batch(state)
+
+    def on_pre_optimizer_step(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        self._end_micro_batch(state)
+
+    def on_prediction_step(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        # One evaluation batch is over; every rank evaluates the same number of batches, so the collective is safe.
+        watcher = self.watcher
+        if watcher is not None and watcher.phase == "eval" and watcher.recording:
+            self._end_batch(watcher, state)
+
+    def _end_micro_batch(self, state: TrainerState) -> None:
+        watcher = self.watcher
+        if watcher is None:
+            return
+        if watcher.phase != "train":
+            watcher.set_phase("train")
+        self._end_batch(watcher, state)
+
+    def _end_batch(self, watcher: Watcher, state: TrainerState) -> None:
+        watcher.optimizer_step = state.global_step
+        watcher.epoch = _whole_epoch(state)
+        try:
+            watcher.end_batch()
+        except BaseException:
+            # The Trainer has no exception event: remove the hooks before our error leaves train().
+            self.close()
+            raise
+
+
+def _whole_epoch(state: TrainerState) -> int | None:
+    # state.epoch is fractional (epoch + share of it done); its floor is the epoch in progress.
+    return None if state.epoch is None else math.floor(state.epoch)
+
+
+def _micro_batches_done(args: TrainingArguments, state: TrainerState, dataloader: Any) -> int:
+    """Micro-batches already trained when `train()` resumes from a checkpoint (0 on a fresh start)."""
+    accumulation = args.gradient_accumulation_steps
+    steps = state.global_step
+    try:
+        per_epoch = len(dataloader)
+    except TypeError:  # no length (an IterableDataset): whole accumulation groups only
+        return steps * accumulation
+    # The Trainer skips whole epochs, then whole accumulation groups of the epoch in progress.
+    updates_per_epoch = max(math.ceil(per_epoch / accumulation), 1)
+    return (steps // updates_per_epoch) * per_epoch + (steps % updates_per_epoch) * accumulation

@@ -1,0 +1,364 @@
+"""`WatchConfig` on the command line: options generated from the model's own fields, plus `--config FILE`.
+
+Every `nanwatch` command that runs a model, and every example, calls `add_config_arguments(parser)` and then
+`config_from_args(args)`. The options follow the fields' type hints, so a field added to `WatchConfig` appears on
+every command line without touching this module:
+
+    --max-frames-to-save 50        int
+    --trace-batch-nums 1 3         list[int] (no value: the empty list)
+    --abort-after-batch-num none   int | None ("none" clears a value from the file)
+    --report-dir DIR               Path | None
+    --watch-eval / --no-watch-eval bool
+    --trace-ranks all | 0 2        "zero" | "all" | list[int]
+
+Precedence: `WatchConfig` defaults < the command's own defaults < `--config FILE` < options given on the line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import types
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, Union, get_args, get_origin
+
+import yaml
+from pydantic import ValidationError
+from pydantic.fields import FieldInfo
+
+from nanwatch.core.config import ConfigError, WatchConfig
+
+__all__ = ["ConfigOption", "add_config_arguments", "config_from_args", "config_options", "parse_dict"]
+
+# Parsed values live under these attribute names, apart from the command's own options.
+_DEST_PREFIX = "watch_config."
+_FILE_DEST = "watch_config_file"
+_DEFAULTS_DEST = "watch_config_defaults"
+_NONE_WORDS = frozenset({"none", "null"})
+
+
+@dataclass(frozen=True)
+class ConfigOption:
+    """One generated option: the field it sets, its flag, and the keyword arguments given to `add_argument`."""
+
+    field: str
+    flag: str
+    kwargs: Mapping[str, Any]
+
+
+def config_options() -> list[ConfigOption]:
+    """The options generated from `WatchConfig`'s fields, in field order.
+
+    Raises:
+        TypeError: a field's type hint has no command-line form (a new kind of field needs support here).
+    """
+    return [_option_for(name, info) for name, info in WatchConfig.model_fields.items()]
+
+
+def add_config_arguments(
+    parser: argparse.ArgumentParser, *, defaults: Mapping[str, Any] | WatchConfig | None = None
+) -> argparse.ArgumentParser:
+    """Add `--config FILE` and one option per `WatchConfig` field to `parser`, in their own argument group.
+
+    Args:
+        parser: the command's parser (or subparser).
+        defaults: the command's own defaults for some fields (e.g. fewer frames for a demo); they sit between
+            `WatchConfig`'s defaults and the config file, and `--help` shows them.
+
+    Returns:
+        The same parser, for chaining.
+
+    Raises:
+        ConfigError: `defaults` names an unknown field or holds a bad value.
+    """
+    base = _as_config(defaults, source="command defaults")
+    group = parser.add_argument_group(
+        "watch config",
+        "Any WatchConfig field; precedence: defaults < --config FILE < these options.",
+    )
+    group.add_argument(
+        "--config",
+        dest=_FILE_DEST,
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="YAML or JSON file of WatchConfig fields; unknown keys are an error",
+    )
+    for option in config_options():
+        kwargs = dict(option.kwargs)
+        shown = getattr(base, option.field)
+        kwargs["help"] = f"{kwargs['help']} (default: {_show(shown)})"
+        group.add_argument(option.flag, **kwargs)
+    if defaults is not None:
+        parser.set_defaults(**{_DEFAULTS_DEST: base})
+    return parser
+
+
+def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None) -> WatchConfig:
+    """Build the `WatchConfig` that `add_config_arguments`' options describe.
+
+    Args:
+        args: the parsed namespace.
+        parser: when given, a bad file or value ends the command through `parser.error` (usage, message, exit 2)
+            instead of raising.
+
+    Returns:
+        The config: defaults, then the command's defaults, then the file, then the options given on the line.
+
+    Raises:
+        ConfigError: the file is unreadable or holds an unknown key or bad value, or an option's value is invalid
+            (only when `parser` is None).
+    """
+    try:
+        return _config_from_args(args)
+    except ConfigError as error:
+        if parser is None:
+            raise
+        parser.error(str(error))
+
+
+def parse_dict(data: Mapping[str, Any], allow_extra_keys: bool = False, *, source: str = "config") -> WatchConfig:
+    """Build a `WatchConfig` from a mapping, such as one section of a larger training config.
+
+    Args:
+        data: field names to values.
+        allow_extra_keys: ignore keys that are not `WatchConfig` fields instead of rejecting them.
+        source: how error messages name where `data` came from.
+
+    Returns:
+        The validated config.
+
+    Raises:
+        ConfigError: `data` is not a mapping, holds an unknown key (unless allowed; the message names it and the
+            nearest field), or a bad value.
+    """
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{source}: expected a mapping of WatchConfig fields, got {type(data).__name__}")
+    if allow_extra_keys:
+        data = {key: value for key, value in data.items() if key in WatchConfig.model_fields}
+    return WatchConfig.from_dict(dict(data), source=source)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _config_from_args(args: argparse.Namespace) -> WatchConfig:
+    namespace = vars(args)
+    base: WatchConfig = namespace.get(_DEFAULTS_DEST) or WatchConfig()
+    path = namespace.get(_FILE_DEST)
+    from_file = _read_mapping(Path(path)) if path is not None else {}
+    given = {key[len(_DEST_PREFIX) :]: value for key, value in namespace.items() if key.startswith(_DEST_PREFIX)}
+    # One validation of the merged values, so that a rule across fields (capture_on_detect needs report_dir) may be
+    # met by the file and the line together.
+    try:
+        return WatchConfig.model_validate({**base.model_dump(), **from_file, **given})
+    except ValidationError as error:
+        raise ConfigError(_explain(error, given, f"config file {str(path)!r}")) from None
+
+
+def _read_mapping(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as error:
+        raise ConfigError(f"cannot read config file {str(path)!r}: {error.strerror or error}") from error
+    suffix = path.suffix.lower()
+    try:
+        if suffix == ".json":
+            data = json.loads(text) if text.strip() else {}
+        elif suffix in {".yaml", ".yml"}:
+            data = yaml.safe_load(text)
+        else:
+            raise ConfigError(f"config file {str(path)!r}: expected a .yaml, .yml or .json file, got {suffix!r}")
+    except (yaml.YAMLError, json.JSONDecodeError) as error:
+        raise ConfigError(f"config file {str(path)!r} is not valid {suffix[1:].upper()}: {error}") from error
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"config file {str(path)!r}: expected a mapping of WatchConfig fields, got {type(data).__name__}"
+        )
+    return data
+
+
+def _explain(error: ValidationError, given: Mapping[str, Any], file_source: str) -> str:
+    """Say where each bad value came from: an option on the line, the config file, or their combination."""
+    problems = []
+    fields = list(WatchConfig.model_fields)
+    for item in error.errors():
+        field = str(item["loc"][0]) if item["loc"] else None
+        message = item["msg"].removeprefix("Value error, ")
+        if item["type"] == "extra_forbidden":
+            near = difflib.get_close_matches(str(field), fields, n=1)
+            hint = f"did you mean {near[0]!r}? " if near else ""
+            problems.append(f"{file_source}: unknown field {field!r} ({hint}known fields: {', '.join(fields)})")
+        elif field is None:
+            problems.append(f"the combined config (defaults, file, options): {message}")
+        elif field in given:
+            problems.append(f"option {_flag(field)}: {message} (got {item.get('input')!r})")
+        else:
+            problems.append(f"{file_source}: field {field!r}: {message} (got {item.get('input')!r})")
+    return "; ".join(problems)
+
+
+def _as_config(defaults: Mapping[str, Any] | WatchConfig | None, *, source: str) -> WatchConfig:
+    if defaults is None:
+        return WatchConfig()
+    if isinstance(defaults, WatchConfig):
+        return defaults
+    return parse_dict(defaults, source=source)
+
+
+def _flag(field: str) -> str:
+    return "--" + field.replace("_", "-")
+
+
+def _show(value: object) -> str:
+    if isinstance(value, list):
+        return " ".join(str(v) for v in value) if value else "none"
+    return "none" if value is None else str(value)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# From a type hint to an argparse option
+
+
+def _option_for(name: str, info: FieldInfo) -> ConfigOption:
+    annotation = info.annotation
+    flag = _flag(name)
+    kwargs: dict[str, Any] = {
+        "dest": _DEST_PREFIX + name,
+        "default": argparse.SUPPRESS,  # absent unless given, so the file's value stands
+        "help": (info.description or name).rstrip("."),
+    }
+    members = _union_members(annotation)
+    optional = type(None) in members
+    members = [m for m in members if m is not type(None)]
+    if len(members) == 1 and members[0] is bool and not optional:
+        kwargs["action"] = argparse.BooleanOptionalAction
+        return ConfigOption(name, flag, kwargs)
+    if len(members) == 1 and get_origin(members[0]) is list:
+        element = _list_element(members[0], name)
+        kwargs.update(nargs="*", type=_scalar_parser(element, name), metavar=_metavar(element))
+        return ConfigOption(name, flag, kwargs)
+    if len(members) == 1 and _is_scalar(members[0]):
+        parse = _scalar_parser(members[0], name)
+        kwargs.update(type=_or_none(parse) if optional else parse, metavar=_metavar(members[0], optional))
+        return ConfigOption(name, flag, kwargs)
+    if all(_is_scalar(m) or get_origin(m) is list for m in members):
+        kwargs.update(
+            nargs="+" if any(get_origin(m) is list for m in members) else None,
+            action=_union_action(members, optional, name),
+            # e.g. "zero|all|N": each token is one of the alternatives (a list takes several tokens).
+            metavar="|".join(_metavar(get_args(m)[0] if get_origin(m) is list else m) for m in members)
+            + ("|none" if optional else ""),
+        )
+        return ConfigOption(name, flag, kwargs)
+    raise TypeError(f"WatchConfig.{name}: no command-line form for type {annotation!r}; add one in {__name__}")
+
+
+def _union_members(annotation: Any) -> list[Any]:
+    if get_origin(annotation) in (Union, types.UnionType):
+        return list(get_args(annotation))
+    return [annotation]
+
+
+def _list_element(annotation: Any, name: str) -> Any:
+    args = get_args(annotation)
+    if len(args) != 1 or not _is_scalar(args[0]):
+        raise TypeError(f"WatchConfig.{name}: no command-line form for list type {annotation!r}")
+    return args[0]
+
+
+def _is_scalar(annotation: Any) -> bool:
+    return annotation in (int, float, str, Path) or get_origin(annotation) is Literal
+
+
+def _scalar_parser(annotation: Any, name: str) -> Callable[[str], Any]:
+    if get_origin(annotation) is Literal:
+        choices = get_args(annotation)
+
+        def parse_literal(text: str) -> Any:
+            for choice in choices:
+                if text == str(choice):
+                    return choice
+            raise argparse.ArgumentTypeError(f"expected one of {', '.join(map(str, choices))}, got {text!r}")
+
+        return parse_literal
+    kind: Callable[[str], Any] = annotation
+
+    def parse(text: str) -> Any:
+        try:
+            return kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {_describe_type(annotation)}, got {text!r}") from None
+
+    parse.__name__ = getattr(annotation, "__name__", name)
+    return parse
+
+
+def _or_none(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    def parse_optional(text: str) -> Any:
+        return None if text.lower() in _NONE_WORDS else parse(text)
+
+    return parse_optional
+
+
+def _union_action(members: list[Any], optional: bool, name: str) -> type[argparse.Action]:
+    """An action that tries each alternative in order, e.g. `"zero" | "all" | list[int]`."""
+
+    def convert(tokens: list[str]) -> Any:
+        if optional and len(tokens) == 1 and tokens[0].lower() in _NONE_WORDS:
+            return None
+        for member in members:
+            if get_origin(member) is list:
+                parse = _scalar_parser(_list_element(member, name), name)
+                try:
+                    return [parse(token) for token in tokens]
+                except argparse.ArgumentTypeError:
+                    continue
+            elif len(tokens) == 1:
+                try:
+                    return _scalar_parser(member, name)(tokens[0])
+                except argparse.ArgumentTypeError:
+                    continue
+        wanted = " or ".join(_describe_type(m) for m in members)
+        raise ValueError(f"expected {wanted}, got {' '.join(tokens)!r}")
+
+    class UnionAction(argparse.Action):
+        def __call__(
+            self,
+            parser: argparse.ArgumentParser,
+            namespace: argparse.Namespace,
+            values: str | Any | None,
+            option_string: str | None = None,
+        ) -> None:
+            tokens = [values] if isinstance(values, str) else list(values or [])
+            try:
+                setattr(namespace, self.dest, convert(tokens))
+            except ValueError as error:
+                raise argparse.ArgumentError(self, str(error)) from None
+
+    return UnionAction
+
+
+def _describe_type(annotation: Any) -> str:
+    if get_origin(annotation) is Literal:
+        return "one of " + ", ".join(repr(c) for c in get_args(annotation))
+    if get_origin(annotation) is list:
+        element = get_args(annotation)[0]
+        plural = {int: "integers", float: "numbers", str: "strings", Path: "paths"}.get(element, repr(element))
+        return f"a list of {plural}"
+    return {int: "an integer", float: "a number", str: "a string", Path: "a path"}.get(annotation, repr(annotation))
+
+
+def _metavar(annotation: Any, optional: bool = False) -> str:
+    if get_origin(annotation) is Literal:
+        text = "|".join(str(c) for c in get_args(annotation))
+    elif get_origin(annotation) is list:
+        text = f"{_metavar(get_args(annotation)[0])} ..."
+    else:
+        text = {int: "N", float: "X", str: "TEXT", Path: "PATH"}.get(annotation, "VALUE")
+    return f"{text}|none" if optional else text

@@ -1,0 +1,695 @@
+"""adapters/plain.py: `nanwatch.watch()` in a hand-written loop, driven end to end with real modules and optimizers.
+
+Bad input (empty, bool, int, complex, float8 and meta tensors, None and non-tensors, deep and wide outputs, a
+module called twice, a forward that raises, a failure inside nanwatch) must never crash the watcher or hide the
+user's own exception. pyproject turns NanwatchWarning into an error, so a test that does not expect one fails if
+nanwatch gives up watching.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import nanwatch
+import nanwatch.core.stats
+from nanwatch import BatchLimitReached, NanwatchWarning, NonFiniteError, WatchHandle, watch
+from nanwatch.core.frames import ResolvedFrame, resolve
+from nanwatch.core.walk import MAX_DEPTH, MAX_LEAVES
+
+
+class Scale(nn.Module):
+    """Multiplies by `factor`; setting it to inf makes inf appear in this module's output."""
+
+    def __init__(self, factor: float = 1.0) -> None:
+        super().__init__()
+        self.factor = factor
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.factor
+
+
+def _model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), Scale(), nn.Linear(8, 1))
+
+
+FRAMES_PER_FORWARD = 5  # 4 children and the root
+
+
+@pytest.fixture
+def nanwatch_log(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCaptureFixture]:
+    """caplog for the `nanwatch` logger, which does not propagate to the root logger caplog listens on."""
+    logger = logging.getLogger("nanwatch")
+    logger.addHandler(caplog.handler)
+    caplog.set_level(logging.INFO, logger="nanwatch")
+    try:
+        yield caplog
+    finally:
+        logger.removeHandler(caplog.handler)
+
+
+_MODULE_HOOK_DICTS = (
+    "_forward_hooks",
+    "_forward_pre_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+    "_forward_pre_hooks_with_kwargs",
+    "_backward_hooks",
+    "_backward_pre_hooks",
+)
+
+
+def _hook_count(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> int:
+    count = sum(len(getattr(module, name)) for module in model.modules() for name in _MODULE_HOOK_DICTS)
+    if optimizer is not None:
+        count += len(optimizer._optimizer_step_pre_hooks) + len(optimizer._optimizer_step_post_hooks)
+    return count
+
+
+def _frames(handle: WatchHandle) -> list[ResolvedFrame]:
+    return resolve(handle.watcher.recent_frames())
+
+
+def _lines(handle: WatchHandle, module_name: str) -> dict[str, str]:
+    """label -> the report line for it, for the last frame of `module_name`."""
+    from nanwatch.core.report import format_entry
+
+    frame = [f for f in _frames(handle) if f.module_name == module_name][-1]
+    return {entry.label: format_entry(entry) for entry in frame.entries}
+
+
+# ----------------------------------------------------------------------------------------------- hook removal
+
+
+def test_with_block_removes_every_hook_at_its_end() -> None:
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with watch(model, optimizer=optimizer) as handle:
+        assert _hook_count(model, optimizer) == FRAMES_PER_FORWARD + 2 + 2  # one per module, root pre/post, optimizer
+        model(torch.randn(2, 4)).sum().backward()
+        optimizer.step()
+        handle.step()
+    assert _hook_count(model, optimizer) == 0
+
+
+def test_close_removes_every_hook_and_can_be_called_twice() -> None:
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    handle = watch(model, optimizer=optimizer)
+    assert _hook_count(model, optimizer) > 0
+    model(torch.randn(2, 4))
+    handle.step()
+    handle.close()
+    assert _hook_count(model, optimizer) == 0
+    handle.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        handle.step()
+    model(torch.randn(2, 4))  # the model works as before
+
+
+class UserError(Exception):
+    pass
+
+
+def test_a_forward_that_raises_propagates_the_same_exception_and_hooks_are_removed() -> None:
+    class Failing(nn.Module):
+        def __init__(self, error: Exception) -> None:
+            super().__init__()
+            self.linear = nn.Linear(2, 2)
+            self.error = error
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.linear(x)
+            raise self.error
+
+    error = UserError("the user's own bug")
+    model = Failing(error)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(UserError) as info, watch(model, optimizer=optimizer):
+        model(torch.ones(1, 2))
+    assert info.value is error
+    assert info.value.__context__ is None  # nanwatch raised nothing on the way out
+    assert _hook_count(model, optimizer) == 0
+
+
+def test_the_users_exception_wins_over_a_pending_detection(nanwatch_log: pytest.LogCaptureFixture) -> None:
+    model = _model()
+    model[2].factor = math.inf
+    error = UserError("data loader broke")
+
+    def loop() -> None:
+        with watch(model):
+            model(torch.randn(2, 4))
+            raise error
+
+    with pytest.raises(UserError) as info:
+        loop()
+    assert info.value is error
+    assert _hook_count(model) == 0
+    # What was seen is still logged, so the inf is not lost.
+    assert any("Detected inf/nan during batch_number=0" in r.getMessage() for r in nanwatch_log.records)
+
+
+def test_hooks_are_removed_when_detection_raises_inside_the_block() -> None:
+    model = _model()
+    model[2].factor = math.inf
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with watch(model, optimizer=optimizer) as handle:
+        model(torch.randn(2, 4))
+        with pytest.raises(NonFiniteError):
+            handle.step()
+        assert _hook_count(model, optimizer) > 0
+    assert _hook_count(model, optimizer) == 0
+
+    def loop() -> None:
+        with watch(model, optimizer=optimizer) as handle:
+            model(torch.randn(2, 4))
+            handle.step()
+
+    with pytest.raises(NonFiniteError):  # and when the error leaves the block
+        loop()
+    assert _hook_count(model, optimizer) == 0
+
+
+def test_detection_at_the_end_of_the_block_raises_and_removes_hooks() -> None:
+    model = _model()
+    model[2].factor = math.inf
+    with pytest.raises(NonFiniteError) as info, watch(model):
+        model(torch.randn(2, 4))  # no step(): the block's end checks what is pending
+    assert info.value.module_name == "2"
+    assert _hook_count(model) == 0
+
+
+def test_hooks_are_removed_when_the_batch_limit_stops_the_run() -> None:
+    model = _model()
+
+    def loop() -> None:
+        with watch(model, abort_after_batch_num=0) as handle:
+            model(torch.randn(2, 4))
+            handle.step()
+
+    with pytest.raises(BatchLimitReached):
+        loop()
+    assert _hook_count(model) == 0
+
+
+# ---------------------------------------------------------------------------------------------------- counting
+
+
+def test_batch_number_advances_only_with_step() -> None:
+    model = _model()
+    with watch(model, watch_eval=True) as handle:
+        assert handle.batch_number == 0
+        model(torch.randn(2, 4))
+        model(torch.randn(2, 4))
+        assert handle.batch_number == 0
+        handle.step()
+        assert handle.batch_number == 1
+        model.eval()
+        with torch.no_grad():
+            model(torch.randn(2, 4))
+        assert handle.batch_number == 1
+        assert handle.watcher.eval_batch_number == 1
+        model.train()
+        model(torch.randn(2, 4))
+        handle.step()
+        assert handle.batch_number == 2
+        assert {f.batch_number for f in handle.watcher.recent_frames() if f.phase == "train"} == {0, 1}
+
+
+def test_detection_error_carries_the_batch_module_and_report(tmp_path: Path) -> None:
+    model = _model()
+    x = torch.randn(2, 4)
+
+    def loop() -> None:
+        with watch(model, report_dir=tmp_path) as handle:
+            for batch in range(3):
+                if batch == 2:
+                    model[2].factor = math.inf
+                model(x)
+                handle.step()
+
+    with pytest.raises(NonFiniteError) as info:
+        loop()
+    error = info.value
+    assert isinstance(error, ValueError)  # code written for transformers' ValueError still catches it
+    assert (error.batch_number, error.rank, error.module_name, error.phase) == (2, 0, "2", "train")
+    assert "batch_number=2" in str(error)
+    # 13 frames: the two clean batches (5 frames each), then batch 2 up to the Scale that made the inf.
+    assert error.report.startswith("Detected inf/nan during batch_number=2\nLast 13 forward frames:\n")
+    assert error.report.endswith("                  2 Scale\n0.00e+00 9.95e-02 input[0]\n     nan      nan output")
+
+
+def test_report_dir_holds_text_and_json_before_the_error_propagates(tmp_path: Path) -> None:
+    report_dir = tmp_path / "reports" / "nested"  # created on demand
+    model = _model()
+    with watch(model, report_dir=report_dir) as handle:
+        model(torch.randn(2, 4))
+        handle.step()
+        model[2].factor = math.nan
+        model(torch.randn(2, 4))
+        found: dict[str, Any] = {}
+
+        def step_and_look() -> None:
+            try:
+                handle.step()
+            except NonFiniteError:
+                # Still unwinding from the raise: the files must already be there.
+                found["text"] = (report_dir / "nanwatch-report-rank0-batch1.txt").read_text()
+                found["json"] = json.loads((report_dir / "nanwatch-report-rank0-batch1.json").read_text())
+                raise
+
+        with pytest.raises(NonFiniteError) as info:
+            step_and_look()
+    assert found["text"] == info.value.report + "\n"
+    data = found["json"]
+    assert data["batch_number"] == 1
+    assert data["module_name"] == "2"
+    assert data["frames"][-1]["module"] == "2"
+    assert data["frames"][-1]["entries"][-1]["abs_max"] == "nan"
+
+
+def test_trace_logs_every_frame_of_the_chosen_batches(tmp_path: Path, nanwatch_log: pytest.LogCaptureFixture) -> None:
+    model = _model()
+    with watch(model, trace_batch_nums=[1, 3], report_dir=tmp_path) as handle:
+        for _ in range(5):
+            model(torch.randn(2, 4))
+            handle.step()
+    # Trace records are frames: each starts with the module line's indent (the detection report would not).
+    trace = [r.getMessage() for r in nanwatch_log.records if r.getMessage().startswith(" " * 18)]
+    assert len(trace) == 2 * FRAMES_PER_FORWARD  # one record per frame
+    assert trace[0].startswith("                  *** Starting batch number=1 ***\nabs min  abs max  metadata\n")
+    assert trace[FRAMES_PER_FORWARD].startswith("                  *** Starting batch number=3 ***\n")
+    assert "Starting" not in trace[1]
+    assert trace[1].startswith("                  1 ReLU\n")
+    assert trace[FRAMES_PER_FORWARD - 1].startswith("                   Sequential\n")
+    assert "weight" in trace[0]
+    written = (tmp_path / "nanwatch-trace-rank0.txt").read_text()
+    assert written == "".join(message + "\n" for message in trace)
+
+
+def test_the_ring_stays_bounded_after_traced_batches() -> None:
+    model = _model()
+    sizes: list[int] = []
+
+    def loop() -> None:
+        with watch(model, max_frames_to_save=4, trace_batch_nums=[0, 1, 2]) as handle:
+            for batch in range(8):
+                if batch == 6:
+                    model[2].factor = math.inf
+                model(torch.randn(2, 4))
+                sizes.append(len(handle.watcher.recent_frames()))
+                handle.step()
+                sizes.append(len(handle.watcher.recent_frames()))
+
+    with pytest.raises(NonFiniteError) as info:
+        loop()
+    assert len(sizes) == 13
+    assert max(sizes[1::2]) == 4  # after each step: the ring alone, never more than asked
+    assert max(sizes[0::2]) == 4 + FRAMES_PER_FORWARD
+    assert info.value.report.count("\n                  ") == 4  # 4 frames, as asked, long after the trace
+    assert "Last 4 forward frames:" in info.value.report
+
+
+def test_abort_after_batch_num_stops_after_that_batch() -> None:
+    model = _model()
+    ran = []
+
+    def loop() -> None:
+        with watch(model, abort_after_batch_num=2) as handle:
+            for batch in range(10):
+                model(torch.randn(2, 4))
+                ran.append(batch)
+                handle.step()
+
+    with pytest.raises(BatchLimitReached) as info:
+        loop()
+    assert ran == [0, 1, 2]
+    assert info.value.batch_number == 2
+    assert isinstance(info.value, ValueError)
+
+
+def test_config_from_a_dict_a_file_and_overrides(tmp_path: Path) -> None:
+    path = tmp_path / "watch.json"
+    path.write_text(json.dumps({"max_frames_to_save": 3, "watch_eval": True}))
+    for config in (path, str(path), {"max_frames_to_save": 3, "watch_eval": True}):
+        with watch(_model(), config, trace_batch_nums=[7]) as handle:
+            assert handle.config.max_frames_to_save == 3
+            assert handle.config.watch_eval
+            assert handle.config.trace_batch_nums == [7]
+
+
+def test_data_parallel_is_looked_through() -> None:
+    model = _model()
+    wrapped = nn.DataParallel(model)  # with no GPU it simply calls the module
+    with watch(wrapped) as handle:
+        assert handle.model is model
+        wrapped(torch.randn(2, 4))
+        assert [f.module_name for f in handle.watcher.recent_frames()] == ["0", "1", "2", "3", ""]
+
+
+def test_fp16_overflow_in_a_real_layer_is_caught() -> None:
+    model = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8)).half()
+    with torch.no_grad():
+        model[0].weight.fill_(1.0)
+        model[0].bias.zero_()
+        model[2].weight.fill_(300.0)
+    x = torch.full((2, 8), 30.0, dtype=torch.float16)  # Linear 0 gives 240, Linear 2 gives 8 * 240 * 300 > 65504
+    with watch(model) as handle:
+        model(x)
+        with pytest.raises(NonFiniteError) as info:
+            handle.step()
+    assert info.value.module_name == "2"
+    frame_lines = info.value.report.split("                  2 Linear\n")[1].splitlines()
+    assert frame_lines[0] == "3.00e+02 3.00e+02 weight"
+    assert frame_lines[-1].split()[1] == "inf"
+
+
+# -------------------------------------------------------------------------------------------------------- eval
+
+
+def test_eval_forwards_are_not_recorded_by_default() -> None:
+    model = _model()
+    model[2].factor = math.inf
+    model.eval()
+    with watch(model) as handle, torch.no_grad():
+        for _ in range(3):
+            model(torch.randn(2, 4))  # inf, but eval is not watched
+        assert handle.watcher.recent_frames() == []
+        assert handle.watcher.eval_batch_number == 0
+        assert handle.batch_number == 0
+
+
+def test_eval_forwards_are_checked_and_counted_apart_with_watch_eval(tmp_path: Path) -> None:
+    model = _model()
+    with watch(model, watch_eval=True, report_dir=tmp_path) as handle:
+        model(torch.randn(2, 4))
+        handle.step()
+        model.eval()
+        with torch.no_grad():
+            model(torch.randn(2, 4))
+            assert handle.watcher.eval_batch_number == 1
+            model[2].factor = math.inf
+            with pytest.raises(NonFiniteError) as info:
+                model(torch.randn(2, 4))  # raised as the eval forward returns: nobody calls step() in eval
+        assert info.value.phase == "eval"
+        assert info.value.batch_number == 1
+        assert info.value.report.startswith("Detected inf/nan during eval_batch_number=1\n")
+        assert (tmp_path / "nanwatch-report-eval-rank0-batch1.txt").is_file()
+        model[2].factor = 1.0
+        model.train()
+        model(torch.randn(2, 4))
+        handle.step()
+        assert handle.batch_number == 2
+    assert _hook_count(model) == 0
+
+
+# -------------------------------------------------------------------------------------------- optimizer guard
+
+
+def test_optimizer_guard_stops_the_step_before_inf_reaches_the_weights() -> None:
+    model = _model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    x = torch.randn(4, 4)
+    before: dict[str, torch.Tensor] = {}
+
+    def loop() -> None:
+        with watch(model, optimizer=optimizer) as handle:
+            for batch in range(4):
+                if batch == 2:
+                    model[2].factor = math.inf
+                model(x).sum().backward()
+                before.update({name: p.detach().clone() for name, p in model.named_parameters()})
+                optimizer.step()
+                optimizer.zero_grad()
+                handle.step()
+
+    with pytest.raises(NonFiniteError) as info:
+        loop()
+    assert info.value.batch_number == 2
+    assert info.value.optimizer_step == 2  # two steps completed before the guard stopped the third
+    for name, param in model.named_parameters():
+        assert torch.equal(param, before[name]), f"{name} changed although its step carried inf"
+        assert torch.isfinite(param).all()
+
+
+def test_optimizer_guard_with_gradient_accumulation() -> None:
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    handle = watch(model, optimizer=optimizer)
+    try:
+        model(torch.randn(2, 4)).sum().backward()
+        handle.step()  # micro-batch 0, clean, no optimizer step yet
+        model[2].factor = math.inf
+        model(torch.randn(2, 4)).sum().backward()
+        before = [p.detach().clone() for p in model.parameters()]
+        with pytest.raises(NonFiniteError) as info:
+            optimizer.step()
+        assert info.value.batch_number == 1
+        assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
+        assert handle.optimizer_step == 0
+    finally:
+        handle.close()
+    assert _hook_count(model, optimizer) == 0
+
+
+# ---------------------------------------------------------------------------------------------------- bad input
+
+
+def test_empty_parameters_get_a_line_not_a_crash() -> None:
+    class Sharded(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.empty(0))  # what a sharded or placeholder parameter looks like
+            self.bias = nn.Parameter(torch.ones(3))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + self.bias
+
+    model = nn.Sequential(Sharded())
+    with watch(model) as handle:
+        model(torch.ones(2, 3))
+        lines = _lines(handle, "0")
+        handle.step()
+    assert lines["weight"] == "            empty weight"
+    assert lines["bias"] == "1.00e+00 1.00e+00 bias"
+
+
+def test_bool_int_complex_and_float8_tensors_get_lines() -> None:
+    class Odd(nn.Module):
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            return x > 0, (x * 10).long(), torch.complex(x, x), x.to(torch.float8_e4m3fn), x.to(torch.float8_e5m2)
+
+    model = nn.Sequential(Odd())
+    x = torch.tensor([[-2.0, 0.5], [4.0, -1.0]])
+    with watch(model) as handle:
+        model(x)
+        lines = _lines(handle, "0")
+        handle.step()
+    assert lines["output[0]"] == "0.00e+00 1.00e+00 output[0]"
+    assert lines["output[1]"] == "5.00e+00 4.00e+01 output[1]"
+    assert lines["output[2]"] == f"{0.5 * math.sqrt(2):8.2e} {4 * math.sqrt(2):8.2e} output[2]"
+    assert lines["output[3]"] == "5.00e-01 4.00e+00 output[3]"
+    assert lines["output[4]"] == "5.00e-01 4.00e+00 output[4]"
+
+
+def test_inf_in_a_float8_output_is_detected() -> None:
+    class ToFloat8(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x.to(torch.float8_e5m2)
+
+    model = nn.Sequential(nn.Identity(), ToFloat8())
+    with watch(model) as handle:
+        model(torch.tensor([1.0, 1e6]))  # beyond e5m2's range: inf
+        with pytest.raises(NonFiniteError) as info:
+            handle.step()
+    assert info.value.module_name == "1"
+
+
+def test_meta_device_modules_are_skipped_with_a_reason() -> None:
+    with torch.device("meta"):
+        model = _model()
+    with watch(model) as handle:
+        output = model(torch.empty(2, 4, device="meta"))
+        assert output.device.type == "meta"
+        lines = _lines(handle, "0")
+        handle.step()
+    assert lines["weight"] == "             meta weight"
+    assert lines["output"] == "             meta output"
+
+
+def test_none_and_non_tensor_inputs_and_outputs() -> None:
+    class Mixed(nn.Module):
+        def forward(self, x: torch.Tensor, mask: Any, scale: float, name: str) -> Any:
+            return {"hidden": x * scale, "mask": mask, "name": name, "extra": (None, 3)}
+
+    model = nn.Sequential()
+    model.add_module("mixed", Mixed())
+    with watch(model) as handle:
+        model.mixed(torch.ones(2), None, 2.0, "layer")
+        lines = _lines(handle, "mixed")
+        handle.step()
+    assert lines == {
+        "input[0]": "1.00e+00 1.00e+00 input[0]",
+        "input[1]": "             None input[1]",
+        "input[2]": "     not a tensor input[2]",
+        "input[3]": "     not a tensor input[3]",
+        "output.hidden": "2.00e+00 2.00e+00 output.hidden",
+        "output.mask": "             None output.mask",
+        "output.name": "     not a tensor output.name",
+        "output.extra[0]": "             None output.extra[0]",
+        "output.extra[1]": "     not a tensor output.extra[1]",
+    }
+
+
+def test_a_module_returning_none() -> None:
+    class Side(nn.Module):
+        def forward(self, x: torch.Tensor) -> None:
+            return None
+
+    model = nn.Sequential(Side())
+    with watch(model) as handle:
+        model(torch.ones(1))
+        assert _lines(handle, "0")["output"] == "             None output"
+        handle.step()
+
+
+def test_deeply_nested_and_very_wide_outputs() -> None:
+    class Deep(nn.Module):
+        def forward(self, x: torch.Tensor) -> Any:
+            value: Any = x
+            for _ in range(MAX_DEPTH + 20):
+                value = (value,)
+            return value
+
+    class Wide(nn.Module):
+        def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
+            return [x * i for i in range(MAX_LEAVES + 500)]
+
+    deep, wide = Deep(), Wide()
+    holder = nn.ModuleDict({"deep": deep, "wide": wide})
+    with watch(holder) as handle:
+        deep(torch.ones(1))
+        wide(torch.ones(1))
+        deep_lines = _lines(handle, "deep")
+        wide_lines = _lines(handle, "wide")
+        handle.step()
+    assert list(deep_lines.values()) == ["1.00e+00 1.00e+00 input[0]", "  nested too deep output" + "[0]" * MAX_DEPTH]
+    assert len(wide_lines) == 1 + MAX_LEAVES + 1
+    assert wide_lines["output[1]"] == "1.00e+00 1.00e+00 output[1]"
+    assert wide_lines["output (not shown: 500 more)"] == "        not shown output (not shown: 500 more)"
+
+
+def test_a_module_called_twice_in_one_forward_gets_two_frames_and_detection_names_it() -> None:
+    class Reuse(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.block = Scale(2.0)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.block(self.block(x))
+
+    model = Reuse()
+    with watch(model) as handle:
+        model(torch.ones(2))
+        frames = _frames(handle)
+        handle.step()
+        assert [f.module_name for f in frames] == ["block", "block", ""]
+        assert [e.abs_max for e in frames[1].entries] == [2.0, 4.0]
+        model.block.factor = 1e38
+        model(torch.full((2,), 1e2))  # the first call stays finite, the second overflows fp32
+        with pytest.raises(NonFiniteError) as info:
+            handle.step()
+    assert info.value.module_name == "block"
+    assert info.value.report.count("                  block Scale") >= 2
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors:UserWarning")
+def test_nested_tensors_in_an_eval_transformer_encoder() -> None:
+    layer = nn.TransformerEncoderLayer(8, 2, 16, batch_first=True)
+    encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=True).eval()
+    x = torch.randn(3, 5, 8)
+    mask = torch.zeros(3, 5, dtype=torch.bool)
+    mask[0, 3:] = True
+    with watch(encoder, watch_eval=True) as handle, torch.no_grad():
+        encoder(x, src_key_padding_mask=mask)
+        linear = [f for f in _frames(handle) if f.module_name == "layers.0.linear1"][0]
+        assert all(e.abs_max is not None and math.isfinite(e.abs_max) for e in linear.entries)
+        nested = [e for e in linear.entries if e.label in ("input[0]", "output")]
+        assert [e.shape for e in nested] == [None, None]  # nested tensors: measured, with no single shape
+        assert handle.watcher.eval_batch_number == 1
+
+
+def test_a_model_built_and_run_under_inference_mode() -> None:
+    with torch.inference_mode():
+        model = _model().eval()
+        with watch(model, watch_eval=True) as handle:
+            model(torch.randn(2, 4))
+            assert _lines(handle, "0")["weight"].endswith(" weight")
+            model[2].factor = math.inf
+            with pytest.raises(NonFiniteError):
+                model(torch.randn(2, 4))
+
+
+def test_an_internal_failure_disables_watching_and_training_continues(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(4, 4)
+
+    def broken(tensor: torch.Tensor) -> nanwatch.core.stats.Measurement:
+        raise RuntimeError("simulated bookkeeping bug")
+
+    with watch(model, optimizer=optimizer) as handle:
+        model(x).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        handle.step()
+        monkeypatch.setattr(nanwatch.core.stats, "measure", broken)
+        with pytest.warns(NanwatchWarning, match="stopped watching.*simulated bookkeeping bug"):
+            model(x).sum().backward()
+        for _ in range(3):  # the run goes on: steps, optimizer steps, counters
+            optimizer.step()
+            optimizer.zero_grad()
+            handle.step()
+            model(x).sum().backward()
+        assert handle.batch_number == 4
+        assert handle.optimizer_step == 4
+        assert handle.watcher.disabled_reason is not None
+    assert _hook_count(model, optimizer) == 0
+
+
+class Fussy(torch.Tensor):
+    """A tensor subclass that refuses abs(): nanwatch's measuring fails on it, the user's model does not."""
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func in (torch.Tensor.abs, torch.abs, torch.Tensor.abs_, torch.aminmax):
+            raise RuntimeError("Fussy tensors have no abs")
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def test_a_tensor_subclass_that_breaks_measuring_disables_watching_only() -> None:
+    class MakeFussy(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x.as_subclass(Fussy)
+
+    model = nn.Sequential(nn.Linear(2, 2), MakeFussy(), nn.Linear(2, 2))
+    x = torch.randn(3, 2)
+    with watch(model) as handle:
+        with pytest.warns(NanwatchWarning, match="Fussy tensors have no abs"):
+            output = model(x)
+        assert isinstance(output, Fussy)
+        handle.step()
+        model(x)
+        handle.step()
+        assert handle.batch_number == 2
+    assert _hook_count(model) == 0

@@ -1,0 +1,231 @@
+"""core/config.py: one WatchConfig from keyword arguments, a dict or a YAML/JSON file; every mistake names its field."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+
+import nanwatch
+from nanwatch.core.config import ConfigError, WatchConfig, resolve_config
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+
+
+def test_defaults() -> None:
+    config = WatchConfig()
+    assert config.max_frames_to_save == 21
+    assert config.trace_batch_nums == []
+    assert config.abort_after_batch_num is None
+    assert config.report_dir is None
+    assert config.watch_eval is False
+    assert config.trace_ranks == "zero"
+
+
+def test_from_keyword_arguments_dict_and_overrides(tmp_path: Path) -> None:
+    fields = {"max_frames_to_save": 5, "trace_batch_nums": [1, 3], "abort_after_batch_num": 4, "watch_eval": True}
+    by_kwargs = WatchConfig(**fields, report_dir=tmp_path)
+    by_dict = WatchConfig.from_dict({**fields, "report_dir": str(tmp_path)})
+    by_resolve = resolve_config(None, **fields, report_dir=tmp_path)
+    by_resolve_dict = resolve_config({**fields, "report_dir": str(tmp_path)})
+    assert by_kwargs == by_dict == by_resolve == by_resolve_dict
+    assert by_dict.report_dir == tmp_path
+    assert isinstance(by_dict.report_dir, Path)
+
+    overridden = resolve_config(by_dict, max_frames_to_save=2)
+    assert overridden.max_frames_to_save == 2
+    assert overridden.trace_batch_nums == [1, 3]
+    assert by_dict.max_frames_to_save == 5  # the original is not changed
+    assert resolve_config(by_dict) is by_dict
+
+
+def test_yaml_and_json_files(tmp_path: Path) -> None:
+    data = {"max_frames_to_save": 7, "trace_batch_nums": [0, 2], "trace_ranks": [0, 1], "report_dir": "out"}
+    yaml_path = tmp_path / "watch.yaml"
+    yaml_path.write_text(yaml.safe_dump(data))
+    yml_path = tmp_path / "watch.yml"
+    yml_path.write_text(yaml.safe_dump(data))
+    json_path = tmp_path / "watch.JSON"
+    json_path.write_text(json.dumps(data))
+    configs = [WatchConfig.from_file(yaml_path), WatchConfig.from_file(str(yml_path)), resolve_config(json_path)]
+    assert configs[0] == configs[1] == configs[2]
+    assert configs[0].trace_ranks == [0, 1]
+    assert configs[0].report_dir == Path("out")
+
+    with_override = resolve_config(str(yaml_path), abort_after_batch_num=9)
+    assert with_override.abort_after_batch_num == 9
+    assert with_override.max_frames_to_save == 7
+
+
+def test_empty_files_give_the_defaults(tmp_path: Path) -> None:
+    (tmp_path / "empty.yaml").write_text("# nothing set\n")
+    (tmp_path / "empty.json").write_text("  \n")
+    assert WatchConfig.from_file(tmp_path / "empty.yaml") == WatchConfig()
+    assert WatchConfig.from_file(tmp_path / "empty.json") == WatchConfig()
+
+
+@pytest.mark.parametrize(
+    ("data", "field"),
+    [
+        ({"max_frames_to_save": 0}, "max_frames_to_save"),
+        ({"max_frames_to_save": -3}, "max_frames_to_save"),
+        ({"max_frames_to_save": "many"}, "max_frames_to_save"),
+        ({"max_frames_to_save": 2.5}, "max_frames_to_save"),
+        ({"trace_batch_nums": [1, -2]}, "trace_batch_nums"),
+        ({"trace_batch_nums": "1,2"}, "trace_batch_nums"),
+        ({"trace_batch_nums": [1, "x"]}, "trace_batch_nums"),
+        ({"abort_after_batch_num": -1}, "abort_after_batch_num"),
+        ({"abort_after_batch_num": "soon"}, "abort_after_batch_num"),
+        ({"report_dir": 12}, "report_dir"),
+        ({"watch_eval": "sometimes"}, "watch_eval"),
+        ({"trace_ranks": "first"}, "trace_ranks"),
+        ({"trace_ranks": [0, -1]}, "trace_ranks"),
+        # YAML reads `true` as a bool; a bool is never a count or a batch number.
+        ({"max_frames_to_save": True}, "max_frames_to_save"),
+        ({"abort_after_batch_num": False}, "abort_after_batch_num"),
+        ({"trace_batch_nums": [True, 2]}, "trace_batch_nums"),
+        ({"trace_ranks": [True]}, "trace_ranks"),
+    ],
+)
+def test_bad_values_name_the_field_and_what_was_received(data: dict[str, Any], field: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(field)) as info:
+        WatchConfig.from_dict(data)
+    assert isinstance(info.value, ValueError)
+    # The same mistake through every door gives the same kind of error.
+    with pytest.raises(ConfigError, match=re.escape(field)):
+        resolve_config(None, **data)
+    with pytest.raises(ConfigError, match=re.escape(field)):
+        nanwatch.watch(torch.nn.Linear(1, 1), **data)
+
+
+def test_error_shows_the_received_value() -> None:
+    with pytest.raises(ConfigError, match=r"max_frames_to_save.*got 0"):
+        WatchConfig.from_dict({"max_frames_to_save": 0})
+
+
+def test_unknown_keys_are_named_with_the_known_fields(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="unknown field 'max_frames'") as info:
+        WatchConfig.from_dict({"max_frames": 3})
+    assert "max_frames_to_save" in str(info.value)  # the known fields are listed
+
+    path = tmp_path / "typo.yaml"
+    path.write_text("trace_batch_num: [1]\n")
+    with pytest.raises(ConfigError, match="trace_batch_num") as info:
+        WatchConfig.from_file(path)
+    assert str(path) in str(info.value)
+
+    with pytest.raises(ConfigError, match="unknown field 'colour'"):
+        nanwatch.watch(torch.nn.Linear(1, 1), colour="red")
+    with pytest.raises(ConfigError, match="unknown field 'colour'"):
+        WatchConfig().with_overrides(colour="red")
+
+
+def test_several_problems_are_all_reported() -> None:
+    with pytest.raises(ConfigError) as info:
+        WatchConfig.from_dict({"max_frames_to_save": 0, "abort_after_batch_num": -1, "oops": 1})
+    message = str(info.value)
+    assert "max_frames_to_save" in message
+    assert "abort_after_batch_num" in message
+    assert "oops" in message
+
+
+def test_missing_file_names_the_path(tmp_path: Path) -> None:
+    missing = tmp_path / "nowhere" / "watch.yaml"
+    with pytest.raises(ConfigError, match="cannot read config file") as info:
+        WatchConfig.from_file(missing)
+    assert str(missing) in str(info.value)
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        nanwatch.watch(torch.nn.Linear(1, 1), str(missing))
+
+
+def test_a_directory_is_not_a_config_file(tmp_path: Path) -> None:
+    folder = tmp_path / "dir.yaml"
+    folder.mkdir()
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        WatchConfig.from_file(folder)
+
+
+def test_unsupported_suffix(tmp_path: Path) -> None:
+    path = tmp_path / "watch.toml"
+    path.write_text("max_frames_to_save = 3\n")
+    with pytest.raises(ConfigError, match=r"\.yaml, \.yml or \.json"):
+        WatchConfig.from_file(path)
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "match"),
+    [
+        ("broken.yaml", "max_frames_to_save: [1, 2\n", "not valid YAML"),
+        ("broken.json", '{"max_frames_to_save": ', "not valid JSON"),
+        ("list.yaml", "- 1\n- 2\n", "expected a mapping of WatchConfig fields, got list"),
+        ("scalar.json", "3", "expected a mapping of WatchConfig fields, got int"),
+    ],
+)
+def test_malformed_files(tmp_path: Path, name: str, text: str, match: str) -> None:
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=match) as info:
+        WatchConfig.from_file(path)
+    assert str(path) in str(info.value)
+
+
+def test_from_dict_rejects_a_non_mapping() -> None:
+    with pytest.raises(ConfigError, match="got list"):
+        WatchConfig.from_dict([("max_frames_to_save", 3)])  # type: ignore[arg-type]
+
+
+def test_resolve_config_rejects_other_types() -> None:
+    with pytest.raises(ConfigError, match="got int"):
+        resolve_config(21)  # type: ignore[arg-type]
+
+
+def test_assignment_is_validated() -> None:
+    config = WatchConfig()
+    with pytest.raises(ValueError, match="max_frames_to_save"):
+        config.max_frames_to_save = 0
+
+
+# ------------------------------------------------------------------------------------------------------ presets
+
+
+def test_presets_exist() -> None:
+    assert (CONFIGS / "default.yaml").is_file()
+    assert (CONFIGS / "trace.yaml").is_file()
+
+
+@pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.yaml")), ids=lambda p: p.name)
+def test_every_preset_loads(path: Path) -> None:
+    config = WatchConfig.from_file(path)
+    assert isinstance(config, WatchConfig)
+    handle = nanwatch.watch(torch.nn.Linear(2, 2), path)  # and every entry point takes it
+    try:
+        assert handle.config == config
+    finally:
+        handle.close()
+
+
+def test_default_preset_is_the_defaults_and_documents_every_field() -> None:
+    path = CONFIGS / "default.yaml"
+    assert WatchConfig.from_file(path) == WatchConfig()
+    text = path.read_text()
+    data = yaml.safe_load(text)
+    assert set(data) == set(WatchConfig.model_fields), "default.yaml must list every WatchConfig field"
+    lines = text.splitlines()
+    for field in WatchConfig.model_fields:
+        index = next(i for i, line in enumerate(lines) if line.startswith(f"{field}:"))
+        assert lines[index - 1].startswith("#"), f"default.yaml: {field} needs a comment above it"
+
+
+def test_trace_preset_traces_and_stops() -> None:
+    config = WatchConfig.from_file(CONFIGS / "trace.yaml")
+    assert config.trace_batch_nums
+    assert config.abort_after_batch_num is not None
+    assert config.report_dir is not None
+    text = (CONFIGS / "trace.yaml").read_text()
+    for field in yaml.safe_load(text):
+        assert re.search(rf"#.*\n{field}:", text), f"trace.yaml: {field} needs a comment above it"

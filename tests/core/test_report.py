@@ -1,0 +1,173 @@
+"""core/report.py: transformers' text format, line for line, and the same frames as structured data."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from nanwatch.core.frames import Entry, Frame, ResolvedEntry, ResolvedFrame, resolve
+from nanwatch.core.report import (
+    MODULE_INDENT,
+    TABLE_HEADER,
+    Report,
+    format_entry,
+    format_frame,
+    format_module_line,
+    format_note_line,
+    format_value_line,
+)
+from nanwatch.core.stats import measure
+
+
+def _frames() -> list[ResolvedFrame]:
+    return resolve(
+        [
+            Frame(
+                "encoder.block.2.layer.1.DenseReluDense.wo",
+                "Linear",
+                3,
+                entries=[
+                    Entry("weight", measure(torch.tensor([1.01e-06, -6.44]))),
+                    Entry("input[0]", measure(torch.tensor([0.0, 9.74e03]))),
+                    Entry("output", measure(torch.tensor([-3.18e-04, 6.27e04]))),
+                ],
+            ),
+            Frame(
+                "encoder.block.2.layer.1.dropout",
+                "Dropout",
+                3,
+                entries=[
+                    Entry("input[0]", measure(torch.tensor([3.18e-04, 6.27e04]))),
+                    Entry("output", measure(torch.tensor([0.0, float("inf")], dtype=torch.float16))),
+                    Entry("input[1]", note="None"),
+                    Entry("input[2]", note="not a tensor"),
+                ],
+            ),
+        ]
+    )
+
+
+def test_text_report_matches_transformers_layout() -> None:
+    report = Report(
+        batch_number=3,
+        phase="train",
+        rank=0,
+        world_size=1,
+        module_name="encoder.block.2.layer.1.dropout",
+        frames=_frames(),
+    )
+    expected = "\n".join(
+        [
+            "Detected inf/nan during batch_number=3",
+            "Last 2 forward frames:",
+            "abs min  abs max  metadata",
+            "                  encoder.block.2.layer.1.DenseReluDense.wo Linear",
+            "1.01e-06 6.44e+00 weight",
+            "0.00e+00 9.74e+03 input[0]",
+            "3.18e-04 6.27e+04 output",
+            "                  encoder.block.2.layer.1.dropout Dropout",
+            "3.18e-04 6.27e+04 input[0]",
+            "0.00e+00      inf output",
+            "             None input[1]",
+            "     not a tensor input[2]",
+        ]
+    )
+    assert report.to_text() == expected
+
+
+def test_header_names_the_rank_when_distributed_and_the_eval_counter() -> None:
+    frames = _frames()
+    assert Report(7, "train", 1, 4, None, frames).header == "Detected inf/nan during batch_number=7 on rank 1"
+    assert Report(2, "eval", 0, 1, None, frames).header == "Detected inf/nan during eval_batch_number=2"
+    assert Report(2, "eval", 3, 8, None, frames).header == "Detected inf/nan during eval_batch_number=2 on rank 3"
+
+
+def test_module_line_puts_the_name_in_column_19() -> None:
+    line = format_module_line("lm_head", "Linear")
+    assert line == " " * 18 + "lm_head Linear"
+    assert len(MODULE_INDENT) + 1 == 18
+    assert TABLE_HEADER == "abs min  abs max  metadata"
+
+
+def test_note_lines_are_right_aligned_in_17_columns() -> None:
+    assert format_note_line("None", "input[1]") == "             None input[1]"
+    assert format_note_line("not a tensor", "output") == "     not a tensor output"
+    assert format_note_line("empty", "weight") == "            empty weight"
+    assert format_entry(ResolvedEntry("x", None, None, None, None, None)) == "     not a tensor x"
+
+
+FLOAT_VALUES = [[1e-8, -3.3e4], [0.0, 1.0], [float("inf"), 2.0], [float("nan"), 1.0], [-1e-45, 3.4e38], [1234.5, 1e-3]]
+CASES = [(values, dtype) for values in FLOAT_VALUES for dtype in (torch.float32, torch.float16, torch.bfloat16)] + [
+    ([0, -7], torch.int64),
+    ([123456789, 3], torch.int32),
+    ([-5, 200], torch.uint8),
+]
+
+
+@pytest.mark.parametrize(("values", "dtype"), CASES)
+def test_value_lines_match_transformers_get_abs_min_max(values: list[float], dtype: torch.dtype) -> None:
+    debug_utils = pytest.importorskip("transformers.debug_utils")
+    tensor = torch.tensor(values, dtype=torch.float64).to(dtype)
+    (frame,) = resolve([Frame("m", "M", 0, entries=[Entry("output", measure(tensor))])])
+    assert format_entry(frame.entries[0]) == debug_utils.get_abs_min_max(tensor, "output")
+
+
+def test_format_value_line_and_frame() -> None:
+    assert format_value_line(0.5, 65504.0, "weight") == "5.00e-01 6.55e+04 weight"
+    assert format_value_line(0, 255, "input[0]") == "0.00e+00 2.55e+02 input[0]"
+    frame = ResolvedFrame("", "GPT2Model", 0, "train", (ResolvedEntry("output", None, None, None, None, "None"),))
+    assert format_frame(frame) == "                   GPT2Model\n             None output"
+
+
+def test_dict_and_json_carry_the_same_frames() -> None:
+    report = Report(3, "train", 0, 1, "encoder.block.2.layer.1.dropout", _frames(), optimizer_step=1, epoch=0)
+    data = report.to_dict()
+    assert data["batch_number"] == 3
+    assert data["phase"] == "train"
+    assert data["rank"] == 0
+    assert data["world_size"] == 1
+    assert data["optimizer_step"] == 1
+    assert data["epoch"] == 0
+    assert data["module_name"] == "encoder.block.2.layer.1.dropout"
+    assert [f["module"] for f in data["frames"]] == [
+        "encoder.block.2.layer.1.DenseReluDense.wo",
+        "encoder.block.2.layer.1.dropout",
+    ]
+    dropout = data["frames"][1]
+    assert dropout["class"] == "Dropout"
+    assert dropout["batch_number"] == 3
+    output = dropout["entries"][1]
+    assert output == {
+        "label": "output",
+        "abs_min": 0.0,
+        "abs_max": "inf",  # JSON has no literal for inf/nan
+        "dtype": "float16",
+        "shape": [2],
+        "non_finite": True,
+        "note": None,
+    }
+    assert dropout["entries"][2]["note"] == "None"
+    assert dropout["entries"][2]["abs_min"] is None
+
+    parsed = json.loads(report.to_json())  # strict JSON: no bare NaN/Infinity tokens
+    assert parsed == data
+    assert "Infinity" not in report.to_json()
+    assert "NaN" not in report.to_json()
+
+
+def test_nan_becomes_a_string_in_json() -> None:
+    frames = resolve([Frame("m", "M", 0, entries=[Entry("output", measure(torch.tensor([float("nan")])))])])
+    entry = json.loads(Report(0, "train", 0, 1, "m", frames).to_json())["frames"][0]["entries"][0]
+    assert entry["abs_min"] == "nan"
+    assert entry["abs_max"] == "nan"
+    assert entry["non_finite"] is True
+
+
+def test_empty_report_still_renders() -> None:
+    report = Report(0, "train", 0, 1, None, [])
+    assert (
+        report.to_text() == "Detected inf/nan during batch_number=0\nLast 0 forward frames:\nabs min  abs max  metadata"
+    )
+    assert json.loads(report.to_json())["frames"] == []

@@ -1,0 +1,423 @@
+"""core/watcher.py: the engine every adapter drives. Real modules and real optimizers; no mocks."""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import nanwatch.core.stats
+import nanwatch.core.watcher
+from nanwatch import BatchLimitReached, NanwatchWarning, NonFiniteError, WatchConfig
+from nanwatch.core.frames import ResolvedFrame, resolve
+from nanwatch.core.watcher import Watcher
+
+
+class Scale(nn.Module):
+    """Multiplies by `factor`: set it to inf (or a huge number in fp16) to make inf appear in a chosen module."""
+
+    def __init__(self, factor: float = 1.0) -> None:
+        super().__init__()
+        self.factor = factor
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.factor
+
+
+def _model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), Scale(), nn.Linear(8, 2))
+
+
+def _resolved(watcher: Watcher) -> list[ResolvedFrame]:
+    return resolve(watcher.recent_frames())
+
+
+def _entry(frame: ResolvedFrame, label: str) -> tuple[float | int | None, float | int | None]:
+    entry = next(e for e in frame.entries if e.label == label)
+    return entry.abs_min, entry.abs_max
+
+
+@pytest.fixture
+def nanwatch_log(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCaptureFixture]:
+    """caplog for the `nanwatch` logger, which does not propagate to the root logger caplog listens on."""
+    logger = logging.getLogger("nanwatch")
+    logger.addHandler(caplog.handler)
+    caplog.set_level(logging.INFO, logger="nanwatch")
+    try:
+        yield caplog
+    finally:
+        logger.removeHandler(caplog.handler)
+
+
+def _our_hook_count(model: nn.Module) -> int:
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+
+
+# --------------------------------------------------------------------------------------------------------- hooks
+
+
+def test_attach_hooks_every_module_once_and_detach_removes_them() -> None:
+    model = _model()
+    watcher = Watcher(model, WatchConfig())
+    watcher.attach()
+    assert watcher.attached
+    for module in model.modules():
+        assert len(module._forward_hooks) == 1
+    with pytest.raises(RuntimeError, match="already attached"):
+        watcher.attach()
+    watcher.detach()
+    assert not watcher.attached
+    assert _our_hook_count(model) == 0
+    watcher.detach()  # twice is fine
+
+
+def test_frames_are_named_by_qualified_name_in_hook_order() -> None:
+    model = nn.Sequential(nn.Sequential(nn.Linear(2, 2), nn.Tanh()), nn.Linear(2, 1))
+    watcher = Watcher(model, WatchConfig())
+    watcher.attach()
+    model(torch.randn(3, 2))
+    frames = _resolved(watcher)
+    assert [(f.module_name, f.class_name) for f in frames] == [
+        ("0.0", "Linear"),
+        ("0.1", "Tanh"),
+        ("0", "Sequential"),
+        ("1", "Linear"),
+        ("", "Sequential"),
+    ]
+    assert [e.label for e in frames[0].entries] == ["weight", "bias", "input[0]", "output"]
+    assert [e.label for e in frames[1].entries] == ["input[0]", "output"]
+
+
+def test_a_shared_module_takes_the_first_name_and_records_each_call() -> None:
+    class Twice(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.first = nn.Linear(3, 3)
+            self.second = self.first  # the same module under a second name
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.second(self.first(x))
+
+    model = Twice()
+    watcher = Watcher(model, WatchConfig())
+    watcher.attach()
+    x = torch.randn(2, 3)
+    model(x)
+    frames = _resolved(watcher)
+    assert [f.module_name for f in frames] == ["first", "first", ""]
+    assert len(model.first._forward_hooks) == 1
+    once = model.first(x)
+    assert _entry(frames[0], "output") == (once.abs().min().item(), once.abs().max().item())
+
+
+def test_recorded_numbers_are_exact_and_survive_an_in_place_relu() -> None:
+    model = nn.Sequential(nn.Linear(4, 6), nn.ReLU(inplace=True), nn.Linear(6, 2))
+    x = torch.randn(5, 4)
+    with torch.no_grad():
+        before_relu = model[0](x)
+    watcher = Watcher(model, WatchConfig())
+    watcher.attach()
+    model(x)
+    linear0, relu, linear1, _root = _resolved(watcher)
+    # The Linear's output was measured before ReLU overwrote it: what transformers reports for that frame.
+    assert _entry(linear0, "output") == (before_relu.abs().min().item(), before_relu.abs().max().item())
+    after_relu = before_relu.relu()
+    assert _entry(relu, "input[0]") == (after_relu.abs().min().item(), after_relu.abs().max().item())
+    assert _entry(relu, "output") == (after_relu.abs().min().item(), after_relu.abs().max().item())
+    assert _entry(linear1, "input[0]") == _entry(relu, "output")
+    assert _entry(linear0, "weight") == (
+        model[0].weight.abs().min().item(),
+        model[0].weight.abs().max().item(),
+    )
+
+
+# ----------------------------------------------------------------------------------------- counting and checking
+
+
+def test_batch_number_advances_only_at_end_batch() -> None:
+    model = _model()
+    watcher = Watcher(model, WatchConfig())
+    watcher.attach()
+    x = torch.randn(2, 4)
+    model(x)
+    model(x)
+    assert watcher.batch_number == 0
+    assert {f.batch_number for f in watcher.recent_frames()} == {0}
+    watcher.end_batch()
+    assert watcher.batch_number == 1
+    model(x)
+    assert watcher.recent_frames()[-1].batch_number == 1
+
+
+def test_detection_reports_the_frames_ending_at_the_first_inf() -> None:
+    model = _model()
+    watcher = Watcher(model, WatchConfig(max_frames_to_save=6))
+    watcher.attach()
+    x = torch.randn(2, 4)
+    model(x)  # batch 0: five clean frames go to the ring
+    watcher.end_batch()
+    model[2].factor = math.inf
+    model(x)
+    report = watcher.check()
+    assert report is not None
+    assert report.batch_number == 1
+    assert report.module_name == "2"
+    names = [(f.module_name, f.batch_number) for f in report.frames]
+    # 6 frames: the last three of batch 0, then batch 1 up to and including the Scale that made the inf.
+    assert names == [("2", 0), ("3", 0), ("", 0), ("0", 1), ("1", 1), ("2", 1)]
+    assert report.frames[-1].non_finite
+    assert not any(f.non_finite for f in report.frames[:-1])
+    assert report.to_text().startswith("Detected inf/nan during batch_number=1\nLast 6 forward frames:\n")
+
+
+def test_frames_before_the_first_inf_are_cut_to_max_frames() -> None:
+    model = nn.Sequential(*[Scale() for _ in range(10)], Scale(math.inf), Scale())
+    watcher = Watcher(model, WatchConfig(max_frames_to_save=3))
+    watcher.attach()
+    model(torch.ones(2))
+    report = watcher.check()
+    assert report is not None
+    assert [f.module_name for f in report.frames] == ["8", "9", "10"]
+
+
+def test_clean_check_moves_frames_to_the_ring_and_returns_none() -> None:
+    model = _model()
+    watcher = Watcher(model, WatchConfig(max_frames_to_save=3))
+    watcher.attach()
+    for _ in range(4):
+        model(torch.randn(2, 4))
+        assert watcher.check() is None
+        watcher.end_batch()
+    assert len(watcher.recent_frames()) == 3
+
+
+def test_rank_and_world_size_appear_in_the_report() -> None:
+    model = nn.Sequential(Scale(math.nan))
+    watcher = Watcher(model, WatchConfig(), rank=3, world_size=4)
+    watcher.attach()
+    model(torch.ones(1))
+    with pytest.raises(NonFiniteError) as info:
+        watcher.end_batch()  # not initialised: the collective is skipped, this rank decides alone
+    error = info.value
+    assert (error.batch_number, error.rank, error.module_name) == (0, 3, "0")
+    assert error.report.startswith("Detected inf/nan during batch_number=0 on rank 3\n")
+
+
+def test_set_phase_rejects_unknown_phases() -> None:
+    watcher = Watcher(_model(), WatchConfig())
+    with pytest.raises(ValueError, match=r"phase can be one of \('train', 'eval'\), got 'test'"):
+        watcher.set_phase("test")
+
+
+def test_eval_phase_is_recorded_only_with_watch_eval_and_counted_apart() -> None:
+    for watch_eval in (False, True):
+        model = _model()
+        watcher = Watcher(model, WatchConfig(watch_eval=watch_eval))
+        watcher.attach()
+        watcher.set_phase("eval")
+        assert watcher.recording is watch_eval
+        model(torch.randn(2, 4))
+        assert len(watcher.recent_frames()) == (5 if watch_eval else 0)
+        watcher.end_batch()
+        assert watcher.batch_number == 0
+        assert watcher.eval_batch_number == 1
+        watcher.set_phase("train")
+        assert watcher.recording
+
+
+def test_state_dict_round_trip_restores_counters_and_tracing() -> None:
+    watcher = Watcher(_model(), WatchConfig(trace_batch_nums=[5]))
+    watcher.batch_number, watcher.eval_batch_number, watcher.optimizer_step, watcher.epoch = 5, 2, 4, 1
+    restored = Watcher(_model(), WatchConfig(trace_batch_nums=[5]))
+    restored.load_state_dict(watcher.state_dict())
+    assert restored.state_dict() == {"batch_number": 5, "eval_batch_number": 2, "optimizer_step": 4, "epoch": 1}
+    assert restored._tracing  # batch 5 is traced, so resuming at 5 traces it
+
+
+def test_trace_ranks_choose_who_traces(nanwatch_log: pytest.LogCaptureFixture) -> None:
+    cases = [("zero", 0, True), ("zero", 1, False), ("all", 1, True), ([1, 2], 2, True), ([1, 2], 0, False)]
+    for trace_ranks, rank, traces in cases:
+        nanwatch_log.clear()
+        model = nn.Sequential(Scale())
+        watcher = Watcher(model, WatchConfig(trace_batch_nums=[0], trace_ranks=trace_ranks), rank=rank, world_size=4)
+        watcher.attach()
+        model(torch.ones(1))
+        traced = [r for r in nanwatch_log.records if "*** Starting batch number=0" in r.getMessage()]
+        assert bool(traced) is traces, (trace_ranks, rank)
+        if traces:
+            assert f"*** Starting batch number=0 on rank {rank} ***" in traced[0].getMessage()
+
+
+def test_abort_after_batch_num() -> None:
+    model = _model()
+    watcher = Watcher(model, WatchConfig(abort_after_batch_num=1))
+    watcher.attach()
+    model(torch.randn(1, 4))
+    watcher.end_batch()
+    model(torch.randn(1, 4))
+    with pytest.raises(BatchLimitReached, match="abort_after_batch_num=1") as info:
+        watcher.end_batch()
+    assert info.value.batch_number == 1
+    assert isinstance(info.value, ValueError)
+
+
+def test_publish_survives_an_unwritable_report_dir(tmp_path: Path, nanwatch_log: pytest.LogCaptureFixture) -> None:
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("a file where the report directory should be")
+    model = nn.Sequential(Scale(math.inf))
+    watcher = Watcher(model, WatchConfig(report_dir=blocker))
+    watcher.attach()
+    model(torch.ones(1))
+    with pytest.raises(NonFiniteError):  # the detection is still raised: a full disk must not hide it
+        watcher.end_batch()
+    assert any("could not write the report" in r.getMessage() for r in nanwatch_log.records)
+    assert any("Detected inf/nan during batch_number=0" in r.getMessage() for r in nanwatch_log.records)
+
+
+# --------------------------------------------------------------------------- parameters changed between batches
+
+
+def _weight_line(watcher: Watcher, module_name: str) -> tuple[float | int | None, float | int | None]:
+    frame = [f for f in _resolved(watcher) if f.module_name == module_name][-1]
+    return _entry(frame, "weight")
+
+
+def _abs_range(tensor: torch.Tensor) -> tuple[float, float]:
+    return tensor.detach().abs().min().item(), tensor.detach().abs().max().item()
+
+
+@pytest.mark.parametrize(
+    "make_optimizer",
+    [
+        lambda params: torch.optim.AdamW(params, lr=0.3, fused=True),
+        lambda params: torch.optim.AdamW(params, lr=0.3, foreach=True),
+        lambda params: torch.optim.SGD(params, lr=0.3, foreach=False),
+    ],
+    ids=["adamw-fused", "adamw-foreach", "sgd"],
+)
+def test_weights_are_remeasured_after_an_optimizer_step(make_optimizer: object) -> None:
+    model = _model()
+    optimizer = make_optimizer(model.parameters())  # type: ignore[operator]
+    watcher = Watcher(model, WatchConfig())
+    watcher.attach()
+    for _ in range(3):
+        model(torch.randn(4, 4)).pow(2).sum().backward()
+        assert _weight_line(watcher, "0") == _abs_range(model[0].weight)
+        optimizer.step()
+        optimizer.zero_grad()
+        watcher.end_batch()
+
+
+def test_weights_written_through_data_are_remeasured_next_batch() -> None:
+    model = _model()
+    watcher = Watcher(model, WatchConfig())
+    watcher.attach()
+    x = torch.randn(2, 4)
+    model(x)
+    watcher.end_batch()
+    for param in model.parameters():  # a hand-written SGD step, as old training loops do it
+        param.data.add_(5.0)
+    model(x)
+    assert _weight_line(watcher, "0") == _abs_range(model[0].weight)
+    assert _weight_line(watcher, "3") == _abs_range(model[3].weight)
+
+
+def test_weights_are_remeasured_after_half_and_to_in_eval() -> None:
+    model = _model()
+    watcher = Watcher(model, WatchConfig(watch_eval=True))
+    watcher.attach()
+    watcher.set_phase("eval")
+    x = torch.randn(2, 4)
+    model(x)
+    watcher.end_batch()
+    model.to(torch.float64)
+    model(x.double())
+    frame = [f for f in _resolved(watcher) if f.module_name == "0"][-1]
+    weight = next(e for e in frame.entries if e.label == "weight")
+    assert weight.dtype == "float64"
+    assert (weight.abs_min, weight.abs_max) == _abs_range(model[0].weight)
+
+
+def test_weights_changed_between_train_and_eval_are_remeasured() -> None:
+    model = _model()
+    watcher = Watcher(model, WatchConfig(watch_eval=True))
+    watcher.attach()
+    x = torch.randn(2, 4)
+    model(x)
+    watcher.set_phase("eval")  # e.g. swap in EMA weights for evaluation, through `.data`
+    model[0].weight.data.mul_(-3.0)
+    model(x)
+    assert _weight_line(watcher, "0") == _abs_range(model[0].weight)
+    watcher.end_batch()
+    model[0].weight.data.mul_(0.5)
+    watcher.set_phase("train")
+    model(x)
+    assert _weight_line(watcher, "0") == _abs_range(model[0].weight)
+
+
+# ----------------------------------------------------------------------------------------------- robustness
+
+
+def test_pending_frames_stay_bounded_when_batches_never_end(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(nanwatch.core.watcher, "_MAX_PENDING_FRAMES", 20)
+    model = _model()
+    watcher = Watcher(model, WatchConfig(max_frames_to_save=7))
+    watcher.attach()
+    x = torch.randn(2, 4)
+    for _ in range(30):
+        model(x)
+        assert len(watcher.recent_frames()) <= 7 + 21
+    model[2].factor = math.inf
+    for _ in range(10):  # the inf is found by a bounded check mid-batch and held for end_batch
+        model(x)
+    with pytest.raises(NonFiniteError) as info:
+        watcher.end_batch()
+    assert info.value.module_name == "2"
+    assert info.value.batch_number == 0
+
+
+def test_a_failure_in_measuring_disables_watching_and_the_run_goes_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = _model()
+    x = torch.randn(2, 4)
+    expected = model(x)
+    watcher = Watcher(model, WatchConfig())
+    watcher.attach()
+
+    def broken(tensor: torch.Tensor) -> nanwatch.core.stats.Measurement:
+        raise RuntimeError("simulated bookkeeping bug")
+
+    monkeypatch.setattr(nanwatch.core.stats, "measure", broken)
+    with pytest.warns(NanwatchWarning, match="simulated bookkeeping bug"):
+        output = model(x)
+    assert torch.equal(output, expected)  # the user's forward ran and returned its own result
+    assert watcher.disabled_reason is not None
+    assert "simulated bookkeeping bug" in watcher.disabled_reason
+    assert not watcher.recording
+    model[2].factor = math.inf
+    model(x)  # no second warning, nothing recorded
+    watcher.end_batch()
+    assert watcher.batch_number == 1
+    watcher.set_phase("train")
+    assert not watcher.recording  # a phase change does not switch a disabled watcher back on
+
+
+def test_a_failure_in_checking_disables_watching(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = _model()
+    watcher = Watcher(model, WatchConfig())
+    watcher.attach()
+    model(torch.randn(2, 4))
+
+    def broken(*args: object) -> bool:
+        raise RuntimeError("simulated check bug")
+
+    monkeypatch.setattr(nanwatch.core.watcher, "find_non_finite", broken)
+    with pytest.warns(NanwatchWarning, match="simulated check bug"):
+        watcher.end_batch()
+    assert watcher.batch_number == 1
+    assert watcher.disabled_reason is not None

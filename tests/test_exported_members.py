@@ -1,0 +1,107 @@
+"""The public surface: exactly the intended names, nothing leaked, no optional framework imported."""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import nanwatch
+import nanwatch.core
+
+TOP_LEVEL = {
+    "BatchLimitReached",
+    "ConfigError",
+    "DebugUnderflowOverflow",
+    "NanwatchError",
+    "NanwatchWarning",
+    "NonFiniteError",
+    "Report",
+    "WatchConfig",
+    "WatchHandle",
+    "__version__",
+    "detect_overflow",
+    "enable_full_determinism",
+    "main_process_first",
+    "set_seed",
+    "watch",
+}
+
+CORE = {
+    "ConfigError",
+    "Entry",
+    "Frame",
+    "FrameRing",
+    "GlobalDetection",
+    "Measurement",
+    "Report",
+    "ResolvedEntry",
+    "ResolvedFrame",
+    "StatsCache",
+    "WatchConfig",
+    "Watcher",
+    "agree_on_detection",
+    "measure",
+    "resolve_config",
+    "world_size_and_rank",
+}
+
+OPTIONAL_FRAMEWORKS = ("lightning", "pytorch_lightning", "lightning_fabric", "accelerate", "transformers")
+
+
+def _public_namespace(module: types.ModuleType) -> set[str]:
+    """Names a user sees with `dir()`, less the submodules that importing a package binds as attributes."""
+    return {
+        name
+        for name, value in vars(module).items()
+        if not name.startswith("_") and not isinstance(value, types.ModuleType)
+    }
+
+
+def test_top_level_exports_are_exactly_the_intended_ones() -> None:
+    assert len(nanwatch.__all__) == len(set(nanwatch.__all__))
+    assert set(nanwatch.__all__) == TOP_LEVEL
+    assert _public_namespace(nanwatch) == TOP_LEVEL - {"__version__"}
+    for name in nanwatch.__all__:
+        assert getattr(nanwatch, name) is not None
+    assert isinstance(nanwatch.__version__, str)
+
+
+def test_core_exports_are_exactly_the_intended_ones() -> None:
+    assert len(nanwatch.core.__all__) == len(set(nanwatch.core.__all__))
+    assert set(nanwatch.core.__all__) == CORE
+    assert _public_namespace(nanwatch.core) == CORE
+
+
+def test_top_level_and_core_export_the_same_objects() -> None:
+    for name in TOP_LEVEL & CORE:
+        assert getattr(nanwatch, name) is getattr(nanwatch.core, name)
+
+
+def test_every_core_module_declares_what_it_exports() -> None:
+    for info in pkgutil.iter_modules(nanwatch.core.__path__, "nanwatch.core."):
+        module = importlib.import_module(info.name)
+        exported = getattr(module, "__all__", None)
+        assert exported is not None, f"{info.name} has no __all__"
+        missing = [name for name in exported if not hasattr(module, name)]
+        assert not missing, f"{info.name}.__all__ names {missing}, which it does not define"
+
+
+def test_package_ships_py_typed() -> None:
+    assert (Path(nanwatch.__file__).parent / "py.typed").is_file()
+
+
+def test_import_nanwatch_imports_no_optional_framework() -> None:
+    code = (
+        "import sys\n"
+        "import nanwatch, nanwatch.core, nanwatch.adapters, nanwatch.adapters.plain\n"
+        f"loaded = sorted(m for m in {OPTIONAL_FRAMEWORKS!r} if m in sys.modules)\n"
+        "print(','.join(loaded))\n"
+        "assert 'torch' in sys.modules\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "", f"import nanwatch imported {result.stdout.strip()}"
