@@ -47,6 +47,7 @@ def _assert_all_ok(result: subprocess.CompletedProcess[str], world: int) -> None
     assert "ranks 0-1 on cpu" in result.stdout
 
 
+@pytest.mark.timeout(BOUND_S + 30)  # in-process: the launcher's own bound on torchrun is longer than this test's
 def test_doctor_launches_torchrun_itself(capfd: pytest.CaptureFixture[str]) -> None:
     # `nanwatch doctor --nproc 2`, run through the same entry point as the console script; torchrun and both ranks
     # are real processes writing to this process's stdout and stderr.

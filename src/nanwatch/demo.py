@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from nanwatch.adapters.plain import watch
+from nanwatch.cli_config import add_config_arguments, config_from_args
 from nanwatch.core.config import WatchConfig
 from nanwatch.errors import NonFiniteError
 
@@ -57,10 +58,7 @@ def run_demo(config: WatchConfig, *, steps: int = 50, learning_rate: float = 0.0
 
 
 def _run(args: argparse.Namespace) -> int:
-    overrides: dict[str, Any] = {"max_frames_to_save": args.max_frames_to_save}
-    if args.report_dir is not None:
-        overrides["report_dir"] = args.report_dir
-    config = WatchConfig(**overrides)
+    config = config_from_args(args)
     stopped_at = run_demo(config, steps=args.steps, learning_rate=args.lr)
     return 0 if stopped_at is not None else 1
 
@@ -73,6 +71,6 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument("--steps", type=int, default=50, help="most batches to train (default: 50)")
     parser.add_argument("--lr", type=float, default=0.01, help="learning rate (default: 0.01)")
-    parser.add_argument("--max-frames-to-save", type=int, default=8, help="frames in the report (default: 8)")
-    parser.add_argument("--report-dir", default=None, help="also write the report (text and JSON) here")
+    # --config FILE and one option per WatchConfig field; the demo shows a shorter report by default.
+    add_config_arguments(parser, defaults={"max_frames_to_save": 8})
     parser.set_defaults(func=_run)

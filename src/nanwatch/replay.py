@@ -37,7 +37,16 @@ from nanwatch.core.frames import ResolvedFrame, resolve
 from nanwatch.core.report import MODULE_INDENT, TABLE_HEADER, Report, format_frame
 from nanwatch.core.watcher import Watcher
 
-__all__ = ["ModelSource", "ReplayError", "ReplayResult", "check_state_fits", "load_factory", "register", "replay"]
+__all__ = [
+    "ModelSource",
+    "ReplayError",
+    "ReplayResult",
+    "check_state_fits",
+    "load_factory",
+    "register",
+    "replay",
+    "write_replay_outputs",
+]
 
 ModelSource: TypeAlias = torch.nn.Module | Callable[[], torch.nn.Module] | str
 _MAX_LISTED = 10  # names listed per kind of mismatch; the rest are counted

@@ -693,3 +693,25 @@ def test_a_tensor_subclass_that_breaks_measuring_disables_watching_only() -> Non
         handle.step()
         assert handle.batch_number == 2
     assert _hook_count(model) == 0
+
+
+def test_step_before_optimizer_step_still_checks_every_micro_batch() -> None:
+    """A loop that calls handle.step() before optimizer.step(): each micro-batch is checked at its own step()."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    inputs = torch.randn(2, 4)
+    seen_at = None
+    with nanwatch.watch(model, optimizer=optimizer) as handle:
+        try:
+            for micro_batch in range(6):
+                batch = inputs.clone()
+                if micro_batch == 3:
+                    batch[0, 0] = float("inf")
+                model(batch).sum().backward()
+                handle.step()
+                optimizer.step()
+                optimizer.zero_grad()
+        except nanwatch.NonFiniteError as error:
+            seen_at = (error.batch_number, micro_batch)
+    assert seen_at == (3, 3)

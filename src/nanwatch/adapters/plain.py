@@ -43,6 +43,7 @@ class WatchHandle:
         self.watcher.hooks.add_forward_pre(self.model, self._before_top_forward)
         self.watcher.hooks.add_forward(self.model, self._after_top_forward)
         self._closed = False
+        self._forward_since_step = False
         if optimizer is not None:
             self.guard(optimizer)
 
@@ -75,6 +76,8 @@ class WatchHandle:
         phase = "train" if module.training else "eval"
         if phase != self.watcher.phase:
             self.watcher.set_phase(phase)
+        if phase == "train":
+            self._forward_since_step = True
 
     def _after_top_forward(self, module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
         # An eval forward is one eval batch; nobody calls step() for it, so it is checked as soon as it returns.
@@ -94,7 +97,12 @@ class WatchHandle:
         self.watcher.hooks.add_handle(optimizer.register_step_post_hook(self._after_optimizer_step))
 
     def _before_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        self.watcher.before_optimizer_step()
+        if self._forward_since_step:
+            self.watcher.before_optimizer_step()  # covers this micro-batch: step() will run no second collective
+        else:
+            # A loop that calls step() before optimizer.step(): this micro-batch was already checked by step();
+            # check again (same collective on every rank) without marking the next micro-batch as checked.
+            self.watcher.check_and_agree()
 
     def _after_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self.watcher.after_optimizer_step()
@@ -110,6 +118,7 @@ class WatchHandle:
             raise RuntimeError("nanwatch: step() called on a closed watch handle")
         if self.watcher.phase != "train":
             self.watcher.set_phase("train")
+        self._forward_since_step = False
         # If the optimizer guard already agreed during this micro-batch, end_batch() runs no second collective.
         self.watcher.end_batch()
 
