@@ -16,6 +16,7 @@ TOP_LEVEL = {
     "BatchLimitReached",
     "ConfigError",
     "DebugUnderflowOverflow",
+    "LossScaleBelowFloor",
     "NanwatchError",
     "NanwatchWarning",
     "NonFiniteError",

@@ -164,7 +164,8 @@ def test_cli_replay_gives_the_frames_of_the_original_report(captured: Captured, 
     # The trace printed is every frame of the batch, and the original report's frames are its lines, in order.
     original_text = (captured.report_dir / f"nanwatch-report-rank0-batch{batch}.txt").read_text().splitlines()
     trace = result.stdout.splitlines()
-    frame_lines = original_text[3:]  # after the header, "Last 8 forward frames:" and the table header
+    # After the header, "Last 8 forward frames:" and the table header; up to the blank line before the culprit line.
+    frame_lines = original_text[3 : original_text.index("")]
     start = trace.index(frame_lines[0])
     assert trace[start : start + len(frame_lines)] == frame_lines
     assert f" *** Starting batch number={batch} ***" in result.stdout

@@ -325,16 +325,21 @@ def module_of(frame: str) -> str:
     return found.group(1)
 
 
-def split_report(text: str) -> tuple[list[str], list[str]]:
-    """nanwatch's report text: its three header lines, and each frame's text."""
+def split_report(text: str) -> tuple[list[str], list[str], list[str]]:
+    """nanwatch's report text: its three header lines, each frame's text, and what follows the frames.
+
+    The frames end at the first blank line (no frame holds one); after it nanwatch adds its own lines (the culprit).
+    """
     lines = text.splitlines()
+    body = lines[3:]
+    end = body.index("") if "" in body else len(body)
     frames: list[list[str]] = []
-    for line in lines[3:]:
+    for line in body[:end]:
         if MODULE_LINE.match(line):
             frames.append([line])
         else:
             frames[-1].append(line)
-    return lines[:3], ["\n".join(frame) for frame in frames]
+    return lines[:3], ["\n".join(frame) for frame in frames], body[end:]
 
 
 def render_json_frames(document: dict[str, Any]) -> list[str]:
@@ -368,11 +373,13 @@ def test_watch_reports_the_frames_transformers_reports(name: str, size: int | No
     assert oracle.header[1] == f"Last {len(oracle.frames)} forward frames:"
     assert len(oracle.frames) <= (size or 21)
 
-    # The report text: the same header, the same frames.
-    header, frames = split_report(error.report)
+    # The report text: the same header, the same frames, then only nanwatch's culprit line.
+    header, frames, tail = split_report(error.report)
     assert header == oracle.header
     assert header[2] == TABLE_HEADER
     assert frames == oracle.frames
+    assert error.culprit is not None
+    assert tail == ["", error.culprit.message]
 
     # The error and the files in report_dir carry the same.
     assert watch_batch == oracle_batch
@@ -414,9 +421,11 @@ def test_only_the_root_overflowing_differs_in_the_header_batch_number(tmp_path: 
     error, watch_batch = run_watch(scenario, 4, tmp_path)
     assert oracle_batch == watch_batch == 1
     assert oracle.header[0] == "Detected inf/nan during batch_number=2"
-    header, frames = split_report(error.report)
+    header, frames, tail = split_report(error.report)
     assert header[0] == "Detected inf/nan during batch_number=1"
     assert header[1:] == oracle.header[1:]
     assert frames == oracle.frames
+    assert error.culprit is not None
+    assert tail == ["", error.culprit.message]
     assert error.batch_number == 1
     assert error.module_name == ""

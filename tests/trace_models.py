@@ -13,8 +13,13 @@ import torch
 from torch import nn
 
 import nanwatch
+from nanwatch.core.log import get_logger
 
 SEED = 1234
+
+# The nanwatch logger takes sys.stderr when first used. Take it now, at import: first used inside a test with capsys,
+# it would keep that test's stream, which is closed afterwards, and every later trace would log into a closed file.
+get_logger()
 
 
 class Amplify(nn.Module):

@@ -10,13 +10,14 @@ from nanwatch.adapters.plain import WatchHandle, watch
 from nanwatch.core.config import ConfigError, WatchConfig
 from nanwatch.core.report import Report
 from nanwatch.dropin import DebugUnderflowOverflow, detect_overflow
-from nanwatch.errors import BatchLimitReached, NanwatchError, NanwatchWarning, NonFiniteError
+from nanwatch.errors import BatchLimitReached, LossScaleBelowFloor, NanwatchError, NanwatchWarning, NonFiniteError
 from nanwatch.repro import enable_full_determinism, main_process_first, set_seed
 
 __all__ = [
     "BatchLimitReached",
     "ConfigError",
     "DebugUnderflowOverflow",
+    "LossScaleBelowFloor",
     "NanwatchError",
     "NanwatchWarning",
     "NonFiniteError",

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
-__all__ = ["NanwatchError", "NanwatchWarning", "NonFiniteError", "BatchLimitReached"]
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from nanwatch.core.culprit import Culprit
+
+__all__ = ["NanwatchError", "NanwatchWarning", "NonFiniteError", "BatchLimitReached", "LossScaleBelowFloor"]
 
 
 class NanwatchError(Exception):
@@ -26,6 +31,9 @@ class NonFiniteError(NanwatchError, ValueError):
         optimizer_step: the optimizer step the micro-batch belongs to, when the caller knows it.
         epoch: the epoch, when the caller knows it.
         phase: "train" or "eval".
+        culprit: the first module whose inputs and weights were finite but whose output was not (or where the
+            inf/nan came in from instead), when this process saw it; None on the other ranks. `str()` of it is the
+            one-line explanation that the message and the report end with.
     """
 
     def __init__(
@@ -39,6 +47,7 @@ class NonFiniteError(NanwatchError, ValueError):
         optimizer_step: int | None = None,
         epoch: int | None = None,
         phase: str = "train",
+        culprit: Culprit | None = None,
     ) -> None:
         super().__init__(message)
         self.batch_number = batch_number
@@ -48,6 +57,7 @@ class NonFiniteError(NanwatchError, ValueError):
         self.optimizer_step = optimizer_step
         self.epoch = epoch
         self.phase = phase
+        self.culprit = culprit
 
     def __reduce__(self) -> tuple[object, ...]:
         # Keyword-only arguments need help to survive pickling (multiprocessing, Lightning's spawn).
@@ -56,6 +66,43 @@ class NonFiniteError(NanwatchError, ValueError):
 
 def _rebuild_non_finite_error(message: str, state: dict[str, object]) -> NonFiniteError:
     error = NonFiniteError.__new__(NonFiniteError)
+    Exception.__init__(error, message)
+    error.__dict__.update(state)
+    return error
+
+
+class LossScaleBelowFloor(NonFiniteError):
+    """Under a `GradScaler`, the loss scale fell below `min_loss_scale`: gradients overflow however small it gets.
+
+    A `NonFiniteError` (the scale only goes down when gradients hold inf/nan), so code catching that catches this.
+
+    Attributes:
+        loss_scale: the scale that was read.
+        min_loss_scale: the floor it fell below.
+        scale_history: `(batch_number, optimizer_step, scale)` for the first reading and each change since
+            (the most recent 64), oldest first.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        loss_scale: float,
+        min_loss_scale: float,
+        scale_history: list[tuple[int, int | None, float]],
+        **details: Any,
+    ) -> None:
+        super().__init__(message, **details)
+        self.loss_scale = loss_scale
+        self.min_loss_scale = min_loss_scale
+        self.scale_history = scale_history
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (_rebuild_loss_scale_error, (self.args[0], self.__dict__.copy()))
+
+
+def _rebuild_loss_scale_error(message: str, state: dict[str, object]) -> LossScaleBelowFloor:
+    error = LossScaleBelowFloor.__new__(LossScaleBelowFloor)
     Exception.__init__(error, message)
     error.__dict__.update(state)
     return error

@@ -4,6 +4,8 @@ Each cell is the largest abs max over the module's floating-point lines in that 
 outputs, every call of it): the picture of how close each module comes to its dtype's limit, batch after batch.
 Integer tensors (token ids, masks) are left out, as their values are not magnitudes. inf and nan cells get colours
 of their own, a module that did not run in a batch is left grey, and an abs max of exactly 0 is drawn white.
+Finite cells above the marked dtype's max (a float32 run judged against float16 with `--dtype float16`) are
+outlined in red: they would overflow in that dtype.
 
 matplotlib is imported only here, when a plot is drawn (`pip install "nanwatch[plot]"`).
 """
@@ -23,7 +25,16 @@ import torch
 from nanwatch.core.jsonl import Block, JsonlError, read_blocks
 from nanwatch.errors import NanwatchError
 
-__all__ = ["register", "Heatmap", "PlotError", "build_heatmap", "draw_heatmap", "figure_size", "dtype_max"]
+__all__ = [
+    "register",
+    "Heatmap",
+    "PlotResult",
+    "PlotError",
+    "build_heatmap",
+    "draw_heatmap",
+    "figure_size",
+    "dtype_max",
+]
 
 ROOT_LABEL = "(root)"
 MAX_ROWS = 600  # at 0.2 inch a row, more would make an image no viewer opens comfortably: use --depth
@@ -58,6 +69,29 @@ class Heatmap:
     batches: list[int]
     cells: list[list[float | None]]
     dtypes: list[str]
+
+
+@dataclass(frozen=True)
+class PlotResult:
+    """What was drawn, in numbers.
+
+    Attributes:
+        width: of the image, in pixels.
+        height: of the image, in pixels.
+        cells: (left, top, width, height) of the grid of cells, in pixels from the image's top-left corner.
+        low: the bottom of the colour scale, in log10 units.
+        high: the top of the colour scale, in log10 units.
+        dtype: whose max is marked.
+        dtype_max_on_scale: whether that max fits on the colour scale (and is marked on the colour bar).
+    """
+
+    width: int
+    height: int
+    cells: tuple[float, float, float, float]
+    low: float
+    high: float
+    dtype: str
+    dtype_max_on_scale: bool
 
 
 def _is_float(dtype: str | None) -> bool:
@@ -135,8 +169,8 @@ def figure_size(heatmap: Heatmap) -> tuple[float, float, float, float]:
 
 def draw_heatmap(
     heatmap: Heatmap, output: str | Path, *, dtype: str | None = None, title: str | None = None, dpi: int = 100
-) -> tuple[int, int]:
-    """Draw `heatmap` to a PNG file; return its (width, height) in pixels.
+) -> PlotResult:
+    """Draw `heatmap` to a PNG file.
 
     Args:
         heatmap: from `build_heatmap`.
@@ -145,6 +179,9 @@ def draw_heatmap(
         title: the first line of the title.
         dpi: pixels per inch.
 
+    Returns:
+        The image's size, where its cells are, and its colour scale.
+
     Raises:
         PlotError: matplotlib is not installed, or `dtype` is not a floating-point dtype.
     """
@@ -152,8 +189,9 @@ def draw_heatmap(
         import numpy as np
         from matplotlib import colormaps, colors
         from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.collections import PatchCollection
         from matplotlib.figure import Figure
-        from matplotlib.patches import Patch
+        from matplotlib.patches import Patch, Rectangle
     except ImportError as error:
         raise PlotError(
             'nanwatch plot draws with matplotlib, which is not installed: pip install "nanwatch[plot]"'
@@ -174,8 +212,8 @@ def draw_heatmap(
     low = float(logs[positive].min()) if positive.any() else limit_log - 1
     high = float(logs[positive].max()) if positive.any() else limit_log
     on_scale = limit_log - high <= _MAX_DECADES_TO_DTYPE_MAX
-    if on_scale:
-        high = max(high, limit_log)
+    if on_scale and high <= limit_log:
+        high = limit_log + 0.04 * (limit_log - low)  # a little room above, so the mark is not lost on the bar's edge
     if high - low < 1:
         low, high = low - 0.5, high + 0.5
     logs[zero] = low - 1  # below the scale: drawn in the "under" colour
@@ -202,6 +240,13 @@ def draw_heatmap(
                 aspect="auto",
                 interpolation="nearest",
             )
+
+    # Finite cells above the marked max (a float32 run judged against float16) get a red outline: they would overflow.
+    above = np.isfinite(values) & (values > limit)
+    if above.any():
+        # Drawn a little inside each cell and above the white grid lines, so neighbours' outlines stay apart.
+        outlines = [Rectangle((c - 0.42, r - 0.42), 0.84, 0.84) for r, c in zip(*np.nonzero(above), strict=True)]
+        axes.add_collection(PatchCollection(outlines, facecolor="none", edgecolor=INF_COLOUR, linewidth=1.5, zorder=3))
 
     rows, columns = len(heatmap.rows), len(heatmap.batches)
     axes.set_yticks(range(rows), heatmap.rows, fontsize=8)
@@ -245,17 +290,20 @@ def draw_heatmap(
         Patch(facecolor=MISSING_COLOUR, label="not recorded"),
         Patch(facecolor=ZERO_COLOUR, edgecolor="black", linewidth=0.5, label="abs max 0"),
     ]
+    if above.any():
+        legend.append(Patch(facecolor="none", edgecolor=INF_COLOUR, linewidth=1.5, label=f"above {marked} max"))
     figure.legend(
         handles=legend,
         loc="lower left",
         bbox_to_anchor=(left / width, 0.05 / height),
-        ncol=4,
+        ncol=len(legend),
         fontsize=7,
         frameon=False,
     )
     figure.savefig(str(output), format="png", dpi=dpi)
     pixels: tuple[int, int] = canvas.get_width_height()
-    return pixels
+    cells = (left * dpi, _TOP_INCH * dpi, plot_width * dpi, plot_height * dpi)
+    return PlotResult(pixels[0], pixels[1], cells, low, high, marked, on_scale)
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -267,7 +315,7 @@ def _run(args: argparse.Namespace) -> int:
                 f"{len(heatmap.rows)} modules make more than {MAX_ROWS} rows; gather them with --depth N "
                 "(rows named by the first N parts of the module names)"
             )
-        size = draw_heatmap(
+        result = draw_heatmap(
             heatmap, args.output, dtype=args.dtype, title=args.title or Path(args.file).name, dpi=args.dpi
         )
     except (JsonlError, PlotError) as error:
@@ -276,9 +324,8 @@ def _run(args: argparse.Namespace) -> int:
     except OSError as error:
         print(f"nanwatch plot: error: cannot write {args.output!r}: {error.strerror or error}", file=sys.stderr)
         return 2
-    print(
-        f"wrote {args.output} ({size[0]}x{size[1]} pixels, {len(heatmap.rows)} modules, {len(heatmap.batches)} batches)"
-    )
+    rows, columns = len(heatmap.rows), len(heatmap.batches)
+    print(f"wrote {args.output} ({result.width}x{result.height} pixels, {rows} modules, {columns} batches)")
     return 0
 
 

@@ -33,6 +33,7 @@ from nanwatch.core.capture import (
     set_determinism_flags,
 )
 from nanwatch.core.config import ConfigError, WatchConfig
+from nanwatch.core.culprit import find_culprit
 from nanwatch.core.frames import ResolvedFrame, resolve
 from nanwatch.core.report import MODULE_INDENT, TABLE_HEADER, Report, format_frame
 from nanwatch.core.watcher import Watcher
@@ -432,6 +433,7 @@ def _replay(
     if first is None:
         differences = [f"the original went inf/nan in module {original.get('module_name')!r}; the replay stayed finite"]
     else:
+        culprit = find_culprit(resolved, first)  # as the watcher names it, from the same frames
 
         def report_of(frames: list[ResolvedFrame]) -> Report:
             return Report(
@@ -443,6 +445,7 @@ def _replay(
                 frames=frames,
                 optimizer_step=data.get("optimizer_step"),
                 epoch=data.get("epoch"),
+                culprit=culprit,
             )
 
         up_to_first = report_of(resolved[: first + 1]).to_dict()["frames"]

@@ -262,6 +262,7 @@ def test_two_ranks_stop_together_and_rank_one_reports(tmp_path: Path) -> None:
 
     assert sorted(p.name for p in reports.iterdir()) == [
         "nanwatch-report-rank1-batch3.json",
+        "nanwatch-report-rank1-batch3.jsonl",
         "nanwatch-report-rank1-batch3.txt",
     ]
     text = (reports / "nanwatch-report-rank1-batch3.txt").read_text()
@@ -285,5 +286,8 @@ def test_example_overflows_and_reports(tmp_path: Path) -> None:
     assert f"stopped: inf/nan in batch_number={batch} " in done.stdout
     text = report.read_text()
     assert text.startswith(f"Detected inf/nan during batch_number={batch}\n")
-    assert text.rstrip().endswith("inf      inf output")
+    # The frames end at the loss's inf output; after a blank line, the culprit: the loss made it from finite inputs.
+    frames, culprit = text.rstrip().split("\n\n")
+    assert frames.endswith("inf      inf output")
+    assert culprit.startswith("first non-finite value produced by loss_fn (MSELoss): inputs finite (abs max ")
     assert text.rstrip("\n") in done.stderr  # the same report was logged

@@ -246,7 +246,11 @@ def test_detection_error_carries_the_batch_module_and_report(tmp_path: Path) -> 
     assert "batch_number=2" in str(error)
     # 13 frames: the two clean batches (5 frames each), then batch 2 up to the Scale that made the inf.
     assert error.report.startswith("Detected inf/nan during batch_number=2\nLast 13 forward frames:\n")
-    assert error.report.endswith("                  2 Scale\n0.00e+00 9.95e-02 input[0]\n     nan      nan output")
+    # The frames end at the Scale, then a blank line and the culprit: the Scale made the nan from finite inputs.
+    assert error.report.endswith(
+        "                  2 Scale\n0.00e+00 9.95e-02 input[0]\n     nan      nan output\n\n"
+        "first non-finite value produced by 2 (Scale): inputs finite (abs max 9.95e-02), output nan (float32)"
+    )
 
 
 def test_report_dir_holds_text_and_json_before_the_error_propagates(tmp_path: Path) -> None:
@@ -369,9 +373,11 @@ def test_fp16_overflow_in_a_real_layer_is_caught() -> None:
         with pytest.raises(NonFiniteError) as info:
             handle.step()
     assert info.value.module_name == "2"
-    frame_lines = info.value.report.split("                  2 Linear\n")[1].splitlines()
+    frame_text, culprit = info.value.report.split("                  2 Linear\n")[1].split("\n\n")
+    frame_lines = frame_text.splitlines()
     assert frame_lines[0] == "3.00e+02 3.00e+02 weight"
     assert frame_lines[-1].split()[1] == "inf"
+    assert culprit.startswith("first non-finite value produced by 2 (Linear): inputs finite (abs max 2.40e+02)")
 
 
 # -------------------------------------------------------------------------------------------------------- eval

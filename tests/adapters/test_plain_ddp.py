@@ -74,4 +74,7 @@ def test_the_plain_loop_example_overflows_in_float16_and_shows_the_report(tmp_pa
     assert f"Detected inf/nan during batch_number={batch}\nLast 5 forward frames:\n" in result.stderr
     report = (tmp_path / "reports" / f"nanwatch-report-rank0-batch{batch}.txt").read_text(encoding="utf-8")
     assert re.search(rf"^ +{re.escape(module)} \w+$", report, re.MULTILINE)  # the culprit's frame
-    assert report.rstrip().endswith(" inf output")
+    # The frames end at the culprit's inf output; after a blank line, the line naming the module that made it.
+    frames, culprit = report.rstrip().split("\n\n")
+    assert frames.endswith(" inf output")
+    assert culprit.startswith(f"first non-finite value produced by {module} (")

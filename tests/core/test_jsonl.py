@@ -56,6 +56,7 @@ FIELDS = [
     "note",
     "report_batch",
     "report_module",
+    "report_culprit",
 ]
 
 
@@ -98,7 +99,11 @@ def test_report_jsonl_holds_one_record_per_line_of_the_text_report(tmp_path: Pat
     assert {record["kind"] for record in records} == {"report"}
     assert {record["report_batch"] for record in records} == {2}
     assert {record["report_module"] for record in records} == {"amp"}
-    tensor_lines = [line for line in text.splitlines()[3:] if not line.startswith(" " * 18)]
+    # The frames end at the blank line before the culprit line, which every record carries.
+    body, culprit = text.rstrip("\n").split("\n\n")
+    assert {record["report_culprit"] for record in records} == {culprit}
+    assert culprit.startswith("first non-finite value produced by amp (Amplify): inputs finite")
+    tensor_lines = [line for line in body.splitlines()[3:] if not line.startswith(" " * 18)]
     assert len(records) == len(tensor_lines)
     frames = [record["frame"] for record in records]
     assert frames == sorted(frames)

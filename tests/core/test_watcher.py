@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 
+import nanwatch.core.headroom
 import nanwatch.core.stats
 import nanwatch.core.watcher
 from nanwatch import BatchLimitReached, NanwatchWarning, NonFiniteError, WatchConfig
@@ -407,16 +408,21 @@ def test_a_failure_in_measuring_disables_watching_and_the_run_goes_on(monkeypatc
     assert not watcher.recording  # a phase change does not switch a disabled watcher back on
 
 
-def test_a_failure_in_checking_disables_watching(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("headroom", [None, 0.125], ids=["plain-check", "headroom-check"])
+def test_a_failure_in_checking_disables_watching(monkeypatch: pytest.MonkeyPatch, headroom: float | None) -> None:
     model = _model()
-    watcher = Watcher(model, WatchConfig())
+    watcher = Watcher(model, WatchConfig(headroom_warn_fraction=headroom))
     watcher.attach()
     model(torch.randn(2, 4))
 
     def broken(*args: object) -> bool:
         raise RuntimeError("simulated check bug")
 
-    monkeypatch.setattr(nanwatch.core.watcher, "find_non_finite", broken)
+    # The batch check is find_non_finite, or with headroom checks on (the default) the monitor's combined read.
+    if headroom is None:
+        monkeypatch.setattr(nanwatch.core.watcher, "find_non_finite", broken)
+    else:
+        monkeypatch.setattr(nanwatch.core.headroom.HeadroomMonitor, "suspicious", broken)
     with pytest.warns(NanwatchWarning, match="simulated check bug"):
         watcher.end_batch()
     assert watcher.batch_number == 1

@@ -12,7 +12,8 @@ drives nanwatch. After `accelerator.prepare(...)`, every rank calls `tracker.att
   happen there, before the weights change. A step GradScaler skips never reaches the hooks: nothing is applied,
   and the micro-batch is checked at the next forward instead.
 
-The epoch is the `iteration` of the prepared dataloader being iterated, unless `set_epoch()` says otherwise.
+The epoch is the `iteration` of the prepared dataloader being iterated, unless `set_epoch()` says otherwise. With
+`summary_every_n_batches`, the main process sends the per-module abs max to the other trackers via `accelerator.log`.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from nanwatch.core.config import WatchConfig, resolve_config
+from nanwatch.core.summary import Summary
 from nanwatch.core.watcher import Watcher
 from nanwatch.errors import NanwatchError
 
@@ -112,6 +114,8 @@ class OverflowTracker(GeneralTracker):  # type: ignore[misc]
             self._pending_state = None
         if self._user_epoch is not None:
             watcher.epoch = self._user_epoch
+        # Trackers log on the main process only: the other ranks never read the summary back.
+        watcher.summary_sink = self._send_summary if accelerator.is_main_process else None
         watcher.attach()
         # First of the root's pre-hooks: the previous micro-batch ends (and may be reported, with its replay copy)
         # before anything starts recording the new one.
@@ -224,3 +228,14 @@ class OverflowTracker(GeneralTracker):  # type: ignore[misc]
     def _after_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self.watcher is not None:
             self.watcher.after_optimizer_step()
+
+    def _send_summary(self, summary: Summary) -> None:
+        # Main process only (no collective here). To the other trackers through `accelerator.log`, at the optimizer
+        # steps done so far (this tracker's own log() ignores it); to the "nanwatch" logger when there are none.
+        accelerator, watcher = self._accelerator, self.watcher
+        if accelerator is None or watcher is None or not any(t is not self for t in accelerator.trackers):
+            if watcher is not None:
+                watcher.logger.info(summary.to_text())
+            return
+        step = watcher.optimizer_step if watcher.optimizer_step is not None else watcher.batch_number
+        accelerator.log(summary.metrics(), step=step)

@@ -4,6 +4,9 @@ Counters: `batch_number` counts every training micro-batch (each `training_step`
 `on_substep_end`, or at `on_pre_optimizer_step` when it is the last one before an optimizer step. Both are reached by
 every rank, so the one all-reduce per micro-batch sits there, and a step that would apply inf/nan never runs. The
 report's optimizer step is `state.global_step` (steps completed so far) and its epoch is `floor(state.epoch)`.
+
+With `summary_every_n_batches`, a due summary makes the Trainer log at the end of that optimizer step (its loss
+too); the values join `state.log_history` and the `logs` that callbacks after this one receive in `on_log`.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import torch
 
 from nanwatch.adapters.plain import unwrap_model
 from nanwatch.core.config import WatchConfig, resolve_config
+from nanwatch.core.summary import Summary
 from nanwatch.core.watcher import Watcher
 
 try:
@@ -57,6 +61,7 @@ class OverflowTrainerCallback(TrainerCallback):  # type: ignore[misc,unused-igno
             ) from _MISSING_TRANSFORMERS
         self.config = resolve_config(config, **overrides)
         self.watcher: Watcher | None = None
+        self._summary: dict[str, float] | None = None  # due, waiting for the Trainer's next log event
 
     # ------------------------------------------------------------------------------------------- lifecycle
 
@@ -82,6 +87,7 @@ class OverflowTrainerCallback(TrainerCallback):  # type: ignore[misc,unused-igno
         )
         watcher.attach()
         watcher.hooks.add_forward_pre(root, self._before_top_forward)
+        watcher.summary_sink = self._hold_summary  # on every rank: see on_step_end
         self.watcher = watcher
 
     def on_train_end(
@@ -119,6 +125,34 @@ class OverflowTrainerCallback(TrainerCallback):  # type: ignore[misc,unused-igno
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         self._end_micro_batch(state)
+
+    def on_step_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        # A summary is due on every rank alike, so every rank asks the Trainer to log: its logging gathers the loss
+        # across ranks, and asking on one rank only would leave the others out of that collective.
+        if self._summary is not None:
+            control.should_log = True
+
+    def on_log(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        logs: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        summary = self._summary
+        if summary is None or logs is None:
+            return
+        self._summary = None
+        logs.update(summary)  # what the callbacks after this one receive
+        # Trainer.log() appended its copy of `logs` to the history just before calling on_log.
+        if state.log_history and state.log_history[-1].get("step") == state.global_step:
+            state.log_history[-1].update(summary)
+
+    def _hold_summary(self, summary: Summary) -> None:
+        self._summary = summary.metrics()
 
     def on_prediction_step(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any

@@ -13,6 +13,12 @@ The check of each micro-batch and its one all-reduce run in `on_before_backward`
 manual optimization), which every rank reaches: inf/nan raises `NonFiniteError` there on every rank, so the optimizer
 step that would apply it never runs. `abort_after_batch_num` stops the run the Lightning way, by setting
 `trainer.should_stop` (as `EarlyStopping` does): `fit()` returns normally, loggers and checkpoints are finalized.
+With `summary_every_n_batches`, rank zero sends the per-module abs max to every logger in `trainer.loggers` at
+`trainer.global_step` (to the "nanwatch" logger when the Trainer has none).
+With `watch_gradients`, `on_before_optimizer_step` is an agreement point too (a second all-reduce per optimizer step),
+so an inf/nan gradient stops the run before the step that would apply it. Under a `GradScaler` (the precision
+plugin's `scaler`, found by itself) inf/nan gradients on steps the scaler skips are expected (see core/amp.py);
+the loss given to `on_before_backward` is recorded as the `(loss)` frame, and the scale is read at each batch end.
 """
 
 from __future__ import annotations
@@ -23,7 +29,9 @@ from typing import TYPE_CHECKING, Any
 from torch import Tensor
 from torch.optim import Optimizer
 
+from nanwatch.core.amp import GradScalerLike
 from nanwatch.core.config import WatchConfig, resolve_config
+from nanwatch.core.summary import Summary
 from nanwatch.core.watcher import Watcher
 from nanwatch.errors import BatchLimitReached, NonFiniteError
 
@@ -78,6 +86,13 @@ class OverflowCallback(Callback):
             watcher.load_state_dict(self._counters)
         # The LightningModule itself is left out: under DDP its forward runs as the wrapper's, elsewhere not at all.
         watcher.attach((name, module) for name, module in pl_module.named_modules() if module is not pl_module)
+        if not trainer.is_global_zero:
+            watcher.summary_sink = None  # Lightning's loggers write on rank zero only: no read-back elsewhere
+        elif trainer.loggers:  # without any, the summary goes to the "nanwatch" logger
+            watcher.summary_sink = lambda summary: _log_summary(trainer, summary)
+        scaler = getattr(trainer.precision_plugin, "scaler", None)  # MixedPrecision("16-mixed") and FSDP's have one
+        if isinstance(scaler, GradScalerLike):
+            _follow_scaler(watcher, scaler, trainer.optimizers)
         self.watcher = watcher
 
     def _stop(self) -> None:
@@ -120,13 +135,17 @@ class OverflowCallback(Callback):
             self.watcher.epoch = trainer.current_epoch
 
     def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: Tensor) -> None:
+        if self.watcher is not None and self.watcher.loss_scale is not None:
+            # Under a scaler an inf loss would pass for an overflow the scaler handles (core/amp.py).
+            self.watcher.watch_loss(loss)
         # Automatic optimization runs exactly one backward per micro-batch, before any optimizer step that uses it.
         if self.watcher is not None and pl_module.automatic_optimization:
             self.watcher.agreement_point()
 
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Optimizer) -> None:
         # Manual optimization may run any number of backwards; what must not happen is a step applying inf/nan.
-        if self.watcher is not None and not pl_module.automatic_optimization:
+        # With watch_gradients, the backward frames recorded since `on_before_backward` are checked here too.
+        if self.watcher is not None and (not pl_module.automatic_optimization or self.config.watch_gradients):
             self.watcher.agreement_point()
 
     def on_train_batch_end(
@@ -192,3 +211,20 @@ class OverflowCallback(Callback):
         self._counters = dict(state_dict)
         if self.watcher is not None:
             self.watcher.load_state_dict(self._counters)
+
+
+def _follow_scaler(watcher: Watcher, scaler: GradScalerLike, optimizers: list[Optimizer]) -> None:
+    # Lightning runs `scaler.step(optimizer)`, which calls `optimizer.step()` only for the steps it does not skip:
+    # the step pre-hook tells the watcher which those are (no collective; a detection waits for the next check).
+    watcher.watch_scaler(scaler)
+    for optimizer in optimizers:
+        watcher.hooks.add_handle(
+            optimizer.register_step_pre_hook(lambda opt, args, kwargs: watcher.optimizer_step_applying(opt))
+        )
+
+
+def _log_summary(trainer: Trainer, summary: Summary) -> None:
+    # Straight to the loggers at the interval nanwatch was given: `log_dict` would also apply log_every_n_steps.
+    metrics = summary.metrics()
+    for logger in trainer.loggers:
+        logger.log_metrics(metrics, step=trainer.global_step)

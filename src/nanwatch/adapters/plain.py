@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from nanwatch.core.amp import GradScalerLike
 from nanwatch.core.config import WatchConfig, resolve_config
 from nanwatch.core.ranks import GlobalDetection
 from nanwatch.core.watcher import Watcher
@@ -35,9 +36,12 @@ class WatchHandle:
         config: WatchConfig,
         *,
         optimizer: torch.optim.Optimizer | None = None,
+        scaler: GradScalerLike | None = None,
     ) -> None:
         self.model = unwrap_model(model)
         self.watcher = Watcher(self.model, config)
+        if scaler is not None:
+            self.watcher.watch_scaler(scaler)  # before attach: a bad scaler raises with no hook left behind
         self.watcher.attach()
         # Registered after the watcher's own hooks, so on the root they run after its frame was recorded.
         self.watcher.hooks.add_forward_pre(self.model, self._before_top_forward)
@@ -98,10 +102,12 @@ class WatchHandle:
 
     def _before_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self._forward_since_step:
-            self.watcher.before_optimizer_step()  # covers this micro-batch: step() will run no second collective
+            # covers this micro-batch: step() will run no second collective
+            self.watcher.before_optimizer_step(optimizer)
         else:
             # A loop that calls step() before optimizer.step(): this micro-batch was already checked by step();
             # check again (same collective on every rank) without marking the next micro-batch as checked.
+            self.watcher.optimizer_step_applying(optimizer)
             self.watcher.check_and_agree()
 
     def _after_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -122,9 +128,35 @@ class WatchHandle:
         # If the optimizer guard already agreed during this micro-batch, end_batch() runs no second collective.
         self.watcher.end_batch()
 
+    def watch_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """Record the loss (computed outside the model) as a frame of its own, module `(loss)`; returns `loss`.
+
+        A non-finite loss is then reported as such. Under a `GradScaler` it matters most: an inf loss makes every
+        gradient inf, which without this looks like an overflow the scaler handles, until the scale hits its floor.
+        `scaler.scale(handle.watch_loss(loss)).backward()`.
+        """
+        self.watcher.watch_loss(loss)
+        return loss
+
     def check(self) -> None:
         """Check now (one host sync, and a collective when distributed) rather than waiting for `step()`."""
         self.watcher.check_and_agree()
+
+    def summary(self) -> dict[str, float]:
+        """The abs max of every watched module in the last training batch checked clean, also logged to "nanwatch".
+
+        Reads the numbers back from the device (one transfer); `summary_every_n_batches` logs the same every N
+        batches from `step()` without being asked.
+
+        Returns:
+            `{"nanwatch/absmax/<module>": value, ..., "nanwatch/absmax_global": value, "nanwatch/batch_number": n}`
+            (the root module is `(root)`), or an empty dict before any watched batch was checked.
+        """
+        summary = self.watcher.summary()
+        if summary is None:
+            return {}
+        self.watcher.logger.info(summary.to_text())
+        return summary.metrics()
 
     def close(self) -> None:
         """Remove every hook; check what was recorded since the last `step()` and log a report if it holds inf/nan."""
@@ -162,6 +194,7 @@ def watch(
     config: WatchConfig | dict[str, Any] | str | Path | None = None,
     *,
     optimizer: torch.optim.Optimizer | None = None,
+    scaler: GradScalerLike | None = None,
     **overrides: Any,
 ) -> WatchHandle:
     """Watch every module of `model` for inf/nan.
@@ -170,6 +203,9 @@ def watch(
         model: the model (a DistributedDataParallel wrapper is looked through).
         config: a `WatchConfig`, a dict of its fields, or the path of a YAML/JSON file; defaults when None.
         optimizer: if given, nanwatch checks before each of its steps, so inf/nan never reaches the weights.
+        scaler: the run's `torch.amp.GradScaler`, if any: inf/nan gradients on the steps it skips are then expected
+            (logged, and the run goes on); the scale's history goes into the report, and the run stops when the
+            scale falls below `min_loss_scale`. Pass `optimizer` too, so a step the scaler does not skip is checked.
         **overrides: fields of `WatchConfig` that replace those of `config`.
 
     Returns:
@@ -178,5 +214,6 @@ def watch(
 
     Raises:
         ConfigError: the config or an override names an unknown field or holds a bad value.
+        TypeError: `scaler` is not a GradScaler.
     """
-    return WatchHandle(model, resolve_config(config, **overrides), optimizer=optimizer)
+    return WatchHandle(model, resolve_config(config, **overrides), optimizer=optimizer, scaler=scaler)

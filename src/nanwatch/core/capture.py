@@ -210,6 +210,9 @@ class ReplayCapture:
         # An eval-mode forward is only checked with watch_eval; copying it would also overwrite the training copy.
         if not module.training and not self._watcher.config.watch_eval:
             return
+        # An unwatched training batch records nothing, so nothing in it can be reported or replayed: no copy.
+        if module.training and not self._watcher.watches_batch(self._watcher.batch_number):
+            return
         try:
             self._take(module, args, kwargs)
         except Exception as error:  # a capture problem must never kill a healthy run

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import math
 from pathlib import Path
 from typing import Any, Literal
 
@@ -48,6 +49,91 @@ class WatchConfig(BaseModel):
         "inputs, RNG states, and the weights and buffers as it began) to report_dir/replay-rank{R}-batch{N}.pt, "
         "for `nanwatch replay`. Costs a copy of the weights at every training forward; needs report_dir.",
     )
+    watch_gradients: bool = Field(
+        False,
+        description="Also record backward frames: the gradient w.r.t. each module's output and inputs, and each "
+        "parameter's accumulated gradient (labelled `grad output`, `grad input[0]`, `grad weight`), so a nan that "
+        "first appears in backward is reported at the module where it appeared. In-place ops stay allowed.",
+    )
+    min_loss_scale: float | None = Field(
+        1.0,
+        description="Under a GradScaler: stop (LossScaleBelowFloor) when the loss scale falls below this. Each "
+        "skipped step halves the scale; below 1 the loss is scaled down, which no fp16 run needs, so gradients that "
+        "keep overflowing there are inf/nan whatever the scale. > 0; null: no floor.",
+    )
+    include_modules: list[str] = Field(
+        default_factory=list,
+        description="Glob patterns (fnmatch, case-sensitive, `*` crosses dots) on qualified module names; only "
+        'modules matching one get a hook. Empty: every module. The root module is named "". Decided at attach; a '
+        "pattern that matches no module is an error.",
+    )
+    exclude_modules: list[str] = Field(
+        default_factory=list,
+        description="Glob patterns of modules that get no hook, applied after include_modules. A pattern that "
+        "matches no module is an error.",
+    )
+    watch_every_n_batches: int = Field(
+        1,
+        ge=1,
+        description="Record every Nth training batch (counted from watch_first_batch); the others are counted but "
+        "record nothing, and inf/nan that appears in them is not seen there.",
+    )
+    watch_first_batch: int = Field(0, ge=0, description="The first 0-indexed training batch that is recorded.")
+    watch_last_batch: int | None = Field(
+        None, ge=0, description="The last 0-indexed training batch that is recorded (inclusive). None: no end."
+    )
+    summary_every_n_batches: int | None = Field(
+        None,
+        ge=1,
+        description="Every N training batches, send the abs max of each watched module (in the last watched batch) "
+        "to the framework's logging (Lightning loggers, Accelerate trackers, the HF Trainer's logs; the nanwatch "
+        "logger for the plain loop). None: no summary.",
+    )
+
+    headroom_warn_fraction: float | None = Field(
+        0.125,
+        description="Warn (nanwatch logger) when a tensor's abs max reaches this fraction of its dtype's max (float16: "
+        "65504, bfloat16: 3.39e38, float8_e4m3fn: 448, float8_e5m2: 57344), before anything is inf. 0 < x <= 1; "
+        "null or 0: off. A tensor is warned about once, then again each time its headroom halves.",
+    )
+    count_underflow: bool = Field(
+        False,
+        description="Also count each tensor's values that underflow (nonzero, below its dtype's smallest normal; "
+        "with target_dtype, below the target's), reported in the JSON report and warned about past "
+        "underflow_warn_fraction. Costs a few extra kernels per tensor.",
+    )
+    underflow_warn_fraction: float = Field(
+        0.05,
+        description="With count_underflow: warn when more than this fraction of a tensor's values underflow. "
+        "0 < x <= 1.",
+    )
+    target_dtype: Literal["float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"] | None = Field(
+        None,
+        description="Also judge every wider floating-point tensor against this dtype's limits, as if the run were in "
+        "it: warn about tensors that would overflow it (or come within headroom_warn_fraction of its max) and, with "
+        "count_underflow, that would be subnormal or flush to zero in it; a summary at close. Warnings, never errors.",
+    )
+
+    @field_validator("headroom_warn_fraction", mode="before")
+    @classmethod
+    def _zero_switches_headroom_off(cls, value: Any) -> Any:
+        if isinstance(value, bool):
+            raise ValueError(f"expected a number in (0, 1] or null, not a boolean, got {value!r}")
+        return None if value == 0 else value
+
+    @field_validator("headroom_warn_fraction", "underflow_warn_fraction")
+    @classmethod
+    def _a_fraction(cls, value: float | None) -> float | None:
+        if value is not None and not 0 < value <= 1:
+            raise ValueError(f"expected a fraction with 0 < x <= 1, got {value!r}")
+        return value
+
+    @field_validator("underflow_warn_fraction", mode="before")
+    @classmethod
+    def _fraction_not_boolean(cls, value: Any) -> Any:
+        if isinstance(value, bool):
+            raise ValueError(f"expected a number in (0, 1], not a boolean, got {value!r}")
+        return value
 
     @field_validator("trace_batch_nums")
     @classmethod
@@ -64,7 +150,17 @@ class WatchConfig(BaseModel):
             raise ValueError(f"ranks cannot be negative, got {value}")
         return value
 
-    @field_validator("max_frames_to_save", "abort_after_batch_num", "trace_batch_nums", "trace_ranks", mode="before")
+    @field_validator(
+        "max_frames_to_save",
+        "abort_after_batch_num",
+        "trace_batch_nums",
+        "trace_ranks",
+        "watch_every_n_batches",
+        "watch_first_batch",
+        "watch_last_batch",
+        "summary_every_n_batches",
+        mode="before",
+    )
     @classmethod
     def _no_booleans(cls, value: Any) -> Any:
         # YAML reads `true`/`yes` as a bool, which pydantic would quietly take for the number 1.
@@ -72,11 +168,37 @@ class WatchConfig(BaseModel):
             raise ValueError(f"expected whole numbers, not booleans, got {value!r}")
         return value
 
+    @field_validator("min_loss_scale", mode="before")
+    @classmethod
+    def _a_positive_scale(cls, value: Any) -> Any:
+        if isinstance(value, bool):
+            raise ValueError(f"expected a positive number or null, not a boolean, got {value!r}")
+        if value is not None and isinstance(value, (int, float)) and not (0 < value < math.inf):
+            raise ValueError(f"expected a positive, finite loss scale or null, got {value!r}")
+        return value
+
     @model_validator(mode="after")
     def _capture_needs_report_dir(self) -> WatchConfig:
         if self.capture_on_detect and self.report_dir is None:
             raise ValueError("capture_on_detect=True needs report_dir: the replay file is written there")
         return self
+
+    @model_validator(mode="after")
+    def _window_in_order(self) -> WatchConfig:
+        if self.watch_last_batch is not None and self.watch_last_batch < self.watch_first_batch:
+            raise ValueError(
+                f"watch_last_batch ({self.watch_last_batch}) comes before watch_first_batch "
+                f"({self.watch_first_batch}): no batch would be watched"
+            )
+        return self
+
+    @field_validator("include_modules", "exclude_modules", mode="before")
+    @classmethod
+    def _patterns_are_strings(cls, value: Any) -> Any:
+        # A lone string would otherwise be rejected with a message about lists; say what was meant instead.
+        if isinstance(value, str):
+            raise ValueError(f"expected a list of glob patterns, got the single string {value!r} (write [{value!r}])")
+        return value
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], *, source: str = "config") -> WatchConfig:

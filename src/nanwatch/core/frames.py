@@ -44,6 +44,8 @@ class ResolvedEntry:
     dtype: str | None
     shape: tuple[int, ...] | None
     note: str | None
+    # With count_underflow: (subnormal, target_subnormal, target_zero), -1 where no target applies; see headroom.py.
+    underflow: tuple[int, ...] | None = None
 
     @property
     def non_finite(self) -> bool:
@@ -125,6 +127,7 @@ def resolve(frames: Sequence[Frame]) -> list[ResolvedFrame]:
         group.append(measurement.abs_min)
         group.append(measurement.abs_max)
     values = {key: torch.stack(tensors).tolist() for key, tensors in groups.items()}
+    underflow = _read_underflow(frames)
 
     resolved = []
     for frame in frames:
@@ -140,8 +143,22 @@ def resolve(frames: Sequence[Frame]) -> list[ResolvedFrame]:
                 continue
             key, index = slots[id(m)]
             abs_min, abs_max = values[key][index], values[key][index + 1]
-            entries.append(ResolvedEntry(entry.label, abs_min, abs_max, dtype, m.shape, None))
+            counts = underflow.get(id(m)) if underflow else None
+            entries.append(ResolvedEntry(entry.label, abs_min, abs_max, dtype, m.shape, None, counts))
         resolved.append(
             ResolvedFrame(frame.module_name, frame.class_name, frame.batch_number, frame.phase, tuple(entries))
         )
     return resolved
+
+
+def _read_underflow(frames: Sequence[Frame]) -> dict[int, tuple[int, ...]]:
+    """The underflow counts (only with count_underflow) by measurement id: one transfer per device."""
+    by_device: dict[torch.device, dict[int, torch.Tensor]] = {}
+    for measurement in _measurements(frames):
+        if measurement.underflow is not None:
+            by_device.setdefault(measurement.underflow.device, {})[id(measurement)] = measurement.underflow
+    counts: dict[int, tuple[int, ...]] = {}
+    for vectors in by_device.values():
+        rows = torch.stack(list(vectors.values()))[:, :3].tolist()
+        counts.update((key, tuple(row)) for key, row in zip(vectors, rows, strict=True))
+    return counts

@@ -18,6 +18,8 @@ parameter, an input or an output of one module call), with the fields of `LineRe
 - `note`: what the text shows instead of numbers ("None", "not a tensor", "empty", ...), else null.
 - `report_batch`, `report_module`: in report records, the batch and the module where inf/nan was detected; null
   in trace records.
+- `report_culprit`: in report records, the report's closing line naming the first culprit (see `core/culprit.py`);
+  null in trace records, and absent from files written before it existed.
 
 Numbers: JSON has no literal for infinity or nan, and Python's `Infinity`/`NaN` extension is not JSON, so a
 non-finite number is written as one of the strings "inf", "-inf" or "nan"; any other number is a JSON number
@@ -120,6 +122,7 @@ class LineRecord:
     note: str | None
     report_batch: int | None = None
     report_module: str | None = None
+    report_culprit: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -144,6 +147,7 @@ class LineRecord:
             "note": self.note,
             "report_batch": self.report_batch,
             "report_module": self.report_module,
+            "report_culprit": self.report_culprit,
         }
 
     @classmethod
@@ -185,6 +189,8 @@ class LineRecord:
             note=_get(data, "note", str, optional=True),
             report_batch=_get(data, "report_batch", int, optional=True),
             report_module=_get(data, "report_module", str, optional=True),
+            # Optional and may be absent: files from before the culprit line read as before.
+            report_culprit=_get(data, "report_culprit", str, optional=True) if "report_culprit" in data else None,
         )
 
     @property
@@ -230,6 +236,7 @@ def _frame_records(
     counts: Sequence[Counts] | None,
     report_batch: int | None = None,
     report_module: str | None = None,
+    report_culprit: str | None = None,
 ) -> list[LineRecord]:
     def record(entry: ResolvedEntry | None, nan: int | None, inf: int | None) -> LineRecord:
         return LineRecord(
@@ -253,6 +260,7 @@ def _frame_records(
             note=entry.note if entry is not None else None,
             report_batch=report_batch,
             report_module=report_module,
+            report_culprit=report_culprit,
         )
 
     if not frame.entries:
@@ -277,6 +285,7 @@ def report_records(report: Report) -> list[LineRecord]:
             counts=None,
             report_batch=report.batch_number,
             report_module=report.module_name,
+            report_culprit=None if report.culprit is None else report.culprit.message,
         )
     return records
 
@@ -332,7 +341,9 @@ def count_non_finite(frame: ResolvedFrame, module: torch.nn.Module, args: tuple[
     """nan and inf counts for each entry of a frame being traced, while its tensors are still alive.
 
     Only lines whose abs max is inf or nan launch kernels (two each, one host transfer for all); finite lines are 0
-    and 0 for free; a line whose tensor cannot be found again (or no longer matches) stays null.
+    and 0 for free; a line whose tensor cannot be found again (or no longer matches) stays null. That includes the
+    lines of frames recorded outside a forward hook (backward frames, labelled `grad ...`): they are traced with no
+    inputs or output, and their gradients are not parameters of the module.
     """
     counts = [_free_counts(entry) for entry in frame.entries]
     wanted = [index for index, entry in enumerate(frame.entries) if entry.non_finite]
@@ -432,7 +443,7 @@ class Block:
         frames = self.frames()
         if self.kind == "report":
             last = self.records[-1]
-            return Report(
+            text = Report(
                 batch_number=self.batch,
                 phase=self.phase,
                 rank=self.rank,
@@ -442,6 +453,9 @@ class Block:
                 optimizer_step=last.optimizer_step,
                 epoch=last.epoch,
             ).to_text()
+            culprit = self.records[0].report_culprit
+            # As `Report.to_text` closes it: a blank line, then the culprit line.
+            return text if culprit is None else f"{text}\n\n{culprit}"
         lines = [format_batch_start(self.batch, self.rank, self.world_size), TABLE_HEADER]
         lines.extend(format_frame(frame) for frame in frames)
         return "\n".join(lines)

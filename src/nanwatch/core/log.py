@@ -10,6 +10,24 @@ __all__ = ["get_logger"]
 _LOGGER_NAME = "nanwatch"
 
 
+class _CurrentStderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """Writes to whatever `sys.stderr` is at the time of each record, not the one seen when the logger was made.
+
+    Test runners and notebooks swap `sys.stderr`; a handler bound to the old stream would write to a closed file.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(sys.stderr)
+
+    @property
+    def stream(self) -> object:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: object) -> None:
+        pass  # always the current sys.stderr
+
+
 def get_logger() -> logging.Logger:
     """Return the `nanwatch` logger, giving it a stderr handler the first time if the application set none.
 
@@ -18,7 +36,7 @@ def get_logger() -> logging.Logger:
     """
     logger = logging.getLogger(_LOGGER_NAME)
     if not logger.handlers:
-        handler = logging.StreamHandler(sys.stderr)
+        handler = _CurrentStderrHandler()
         handler.setFormatter(logging.Formatter("%(message)s"))
         logger.addHandler(handler)
         logger.setLevel(logging.INFO)

@@ -6,9 +6,15 @@ import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from nanwatch.core.culprit import Culprit
 from nanwatch.core.frames import ResolvedEntry, ResolvedFrame
+from nanwatch.core.gradients import is_backward_frame
+from nanwatch.core.headroom import underflow_to_dict
+
+if TYPE_CHECKING:
+    from nanwatch.core.amp import LossScaleHistory  # amp builds reports: imported for the annotation only
 
 __all__ = [
     "MODULE_INDENT",
@@ -75,6 +81,8 @@ class Report:
     frames: Sequence[ResolvedFrame]
     optimizer_step: int | None = None
     epoch: int | None = None
+    loss_scale: LossScaleHistory | None = None  # under a GradScaler: the scale over the run
+    culprit: Culprit | None = None  # the module that made the first inf/nan (core/culprit.py)
 
     @property
     def header(self) -> str:
@@ -84,8 +92,14 @@ class Report:
 
     def to_text(self) -> str:
         """The report as transformers prints it (without its surrounding blank lines)."""
-        lines = [self.header, f"Last {len(self.frames)} forward frames:", TABLE_HEADER]
+        kind = "forward and backward" if any(is_backward_frame(frame) for frame in self.frames) else "forward"
+        lines = [self.header, f"Last {len(self.frames)} {kind} frames:", TABLE_HEADER]
         lines.extend(format_frame(frame) for frame in self.frames)
+        if self.culprit is not None:
+            # After a blank line, so the frames above stay exactly transformers' format.
+            lines += ["", self.culprit.message]
+        if self.loss_scale is not None:
+            lines += ([] if self.culprit is not None else [""]) + [self.loss_scale.to_text()]
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
@@ -112,12 +126,16 @@ class Report:
                             "shape": list(entry.shape) if entry.shape is not None else None,
                             "non_finite": entry.non_finite,
                             "note": entry.note,
+                            # Only with count_underflow, so reports without it keep their exact shape.
+                            **({} if entry.underflow is None else {"underflow": underflow_to_dict(entry.underflow)}),
                         }
                         for entry in frame.entries
                     ],
                 }
                 for frame in self.frames
             ],
+            "loss_scale": None if self.loss_scale is None else self.loss_scale.to_dict(),
+            "culprit": None if self.culprit is None else self.culprit.to_dict(),
         }
 
     def to_json(self) -> str:

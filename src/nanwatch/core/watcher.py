@@ -8,21 +8,27 @@ from __future__ import annotations
 
 import logging
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, NoReturn
 
 import torch
 
+from nanwatch.core.amp import GradScalerLike, LossScaleMonitor
 from nanwatch.core.capture import ReplayCapture
 from nanwatch.core.config import WatchConfig
-from nanwatch.core.frames import Entry, Frame, FrameRing, find_non_finite, resolve
+from nanwatch.core.culprit import Culprit, find_culprit
+from nanwatch.core.frames import Entry, Frame, FrameRing, ResolvedFrame, find_non_finite, resolve
+from nanwatch.core.gradients import GradientRecorder, is_backward_frame
+from nanwatch.core.headroom import HeadroomMonitor, monitor_for
 from nanwatch.core.hooks import HookSet, named_unique_modules
 from nanwatch.core.jsonl import count_non_finite, trace_records
 from nanwatch.core.log import get_logger
 from nanwatch.core.output import append_trace, append_trace_records, write_report
 from nanwatch.core.ranks import GlobalDetection, agree_on_detection, world_size_and_rank
 from nanwatch.core.report import TABLE_HEADER, Report, format_batch_start, format_frame
-from nanwatch.core.stats import StatsCache
+from nanwatch.core.scope import BatchSchedule, select_modules
+from nanwatch.core.stats import StatsCache, measure
+from nanwatch.core.summary import Summary, SummaryCollector
 from nanwatch.core.walk import TooDeep, TooMany, walk
 from nanwatch.errors import BatchLimitReached, NanwatchWarning, NonFiniteError
 
@@ -65,7 +71,15 @@ class Watcher:
         self._recording = True
         self._ring = FrameRing(config.max_frames_to_save)
         self._pending: list[Frame] = []
-        self._cache = StatsCache()
+        # Headroom by dtype (core/headroom.py): None when the config asks for none of it, or this rank does not log.
+        self._headroom: HeadroomMonitor | None = monitor_for(
+            config,
+            logger=self.logger,
+            rank=self.rank,
+            world_size=self.world_size,
+            logs=self._rank_traces(config.trace_ranks),
+        )
+        self._cache = StatsCache(None if self._headroom is None else self._headroom.counter)
         self._hooks = HookSet()
         self._disabled_reason: str | None = None
         self._tracing = False
@@ -75,6 +89,12 @@ class Watcher:
         self._held_report: Report | None = None
         self._agreed_this_batch = False
         self._capture: ReplayCapture | None = None  # only with capture_on_detect: off, it costs nothing
+        self._gradients: GradientRecorder | None = None  # only with watch_gradients (see core/gradients.py)
+        self._amp: LossScaleMonitor | None = None  # only once watch_scaler() was called (see core/amp.py)
+        self.schedule = BatchSchedule(config)
+        self._summaries = SummaryCollector(config.summary_every_n_batches)
+        # Where a due summary goes; adapters replace it with their framework's logging, or None (no read-back).
+        self.summary_sink: Callable[[Summary], None] | None = self._log_summary
         self._update_tracing()
 
     # ----------------------------------------------------------------------------------------------------- hooks
@@ -83,8 +103,15 @@ class Watcher:
         """Put a forward hook on every module (or on the given `(name, module)` pairs)."""
         if len(self._hooks):
             raise RuntimeError("nanwatch: hooks are already attached; call detach() first")
-        for name, module in modules if modules is not None else named_unique_modules(self.model):
+        candidates = modules if modules is not None else named_unique_modules(self.model)
+        # Scope is decided here, once: a module left out gets no hook and costs nothing.
+        selected = select_modules(candidates, self.config.include_modules, self.config.exclude_modules)
+        for name, module in selected:
             self._hooks.add_forward(module, self._make_hook(name, type(module).__name__))
+        if self.config.watch_gradients:
+            # After the frame hooks: a module's tensors are hooked once its forward frame is recorded.
+            self._gradients = GradientRecorder(self)
+            self._gradients.attach(selected, self._hooks)
         if self.config.capture_on_detect:
             # After the frame hooks, so on the root its forward hook runs once the root's frame is recorded.
             self._capture = ReplayCapture(self)
@@ -93,7 +120,15 @@ class Watcher:
     def detach(self) -> None:
         """Remove every hook nanwatch put on the model; afterwards the model carries none of ours."""
         self._hooks.remove_all()
+        if self._gradients is not None:
+            self._gradients.detach()  # and the hooks still on live activations: they would outlive the graph's use
+            self._gradients = None
         self._cache.clear()
+        if self._headroom is not None:
+            try:
+                self._headroom.close()  # the summary of what came near the limits (and target_dtype's answer)
+            except Exception as error:  # closing must never fail because of a summary
+                self.logger.warning(f"nanwatch could not summarise headroom: {error!r}")
 
     @property
     def attached(self) -> bool:
@@ -129,7 +164,6 @@ class Watcher:
             # Weights are often swapped through `.data` around evaluation (EMA), which no version counter shows.
             self._cache.forget_parameters()
         self._phase = phase
-        self._recording = self._disabled_reason is None and (phase == "train" or self.config.watch_eval)
         self._update_tracing()
 
     @property
@@ -176,6 +210,43 @@ class Watcher:
             else:
                 entries.append(Entry(leaf_label, note="not a tensor"))
 
+    @property
+    def tracing(self) -> bool:
+        """True while the current batch is traced (every frame logged as it is recorded)."""
+        return self._tracing
+
+    def add_frame(self, frame: Frame, module: torch.nn.Module) -> None:
+        """Add a frame recorded outside the forward hooks (a backward frame) to the pending frames, and trace it."""
+        self._pending.append(frame)
+        if self._tracing:
+            self.trace_frame(frame, module)
+        if len(self._pending) > _MAX_PENDING_FRAMES:
+            self._commit_if_clean()
+
+    def trace_frame(self, frame: Frame, module: torch.nn.Module) -> None:
+        """Log `frame` to the trace (when tracing) without adding it to the pending frames."""
+        if self._tracing:
+            self._trace(frame, module, (), None)
+
+    def is_last_pending(self, frame: Frame) -> bool:
+        """True when `frame` is the latest frame recorded and not checked yet (so it may still take lines)."""
+        return bool(self._pending) and self._pending[-1] is frame
+
+    def watch_loss(self, loss: torch.Tensor) -> None:
+        """Record the loss as a frame of its own (module `(loss)`), so a non-finite loss is reported as such.
+
+        Under a `GradScaler` this matters: a loss computed outside the watched modules that is inf makes every
+        gradient inf, which would otherwise look like an overflow the scaler handles.
+        """
+        if not self._recording or not isinstance(loss, torch.Tensor):
+            return
+        try:
+            with torch.no_grad():
+                entry = Entry("loss", measure(loss))
+            self._pending.append(Frame("(loss)", type(loss).__name__, self.current_batch, self._phase, [entry]))
+        except Exception as error:  # our bookkeeping must never kill a healthy run
+            self._disable(f"recording the loss failed: {error!r}")
+
     def _disable(self, reason: str) -> None:
         if self._disabled_reason is not None:
             return
@@ -202,6 +273,16 @@ class Watcher:
         if tracing and not self._tracing:
             self._traced_batch_started = False
         self._tracing = tracing
+        self._update_recording()
+
+    def _update_recording(self) -> None:
+        # At batch boundaries and phase changes only: the hooks test one bool, so an unwatched batch costs nothing.
+        watched = self.schedule.watched(self.batch_number) if self._phase == "train" else self.config.watch_eval
+        self._recording = self._disabled_reason is None and watched
+
+    def watches_batch(self, batch_number: int) -> bool:
+        """True when training batch `batch_number` is recorded (`watch_every_n_batches`, the window, tracing)."""
+        return self.schedule.watched(batch_number)
 
     def _rank_traces(self, ranks: str | list[int]) -> bool:
         if ranks == "all":
@@ -248,7 +329,7 @@ class Watcher:
         pending = self._pending
         if not pending:
             return None
-        if not find_non_finite(pending):
+        if not self._holds_non_finite(pending):
             self._commit(pending)
             return None
         resolved = resolve(pending)
@@ -259,20 +340,42 @@ class Watcher:
         frames = earlier + resolved[max(0, first + 1 - size) : first + 1]
         self._pending = []
         self._cache.forget_activations()
-        culprit = pending[first]
+        first_frame = pending[first]
         return Report(
-            batch_number=culprit.batch_number,
-            phase=culprit.phase,
+            batch_number=first_frame.batch_number,
+            phase=first_frame.phase,
             rank=self.rank,
             world_size=self.world_size,
-            module_name=culprit.module_name,
+            module_name=first_frame.module_name,
             frames=frames,
             optimizer_step=self.optimizer_step,
             epoch=self.epoch,
+            culprit=self._find_culprit(resolved, first),
         )
+
+    def _holds_non_finite(self, pending: list[Frame]) -> bool:
+        """inf/nan in `pending`? One read per device. With headroom checks, that same read also flags values near a
+        dtype's limits; those are warned about (reading their numbers only then) and are no detection."""
+        headroom = self._headroom
+        if headroom is None:
+            return find_non_finite(pending)
+        return headroom.suspicious(pending) and headroom.review(pending)
+
+    def _find_culprit(self, resolved: list[ResolvedFrame], first: int) -> Culprit | None:
+        try:
+            return find_culprit(resolved, first)
+        except Exception as error:  # the report matters more than its last line
+            self.logger.warning(f"nanwatch could not name the first culprit: {error!r}")
+            return None
+
+    @property
+    def headroom(self) -> HeadroomMonitor | None:
+        """The headroom monitor (its findings and `summary()`), or None when no headroom check is configured."""
+        return self._headroom
 
     def _commit(self, frames: list[Frame]) -> None:
         self._ring.extend(frames)
+        self._summaries.collect(frames)  # references only; read back at the summary interval
         self._pending = []
         self._cache.forget_activations()
 
@@ -288,11 +391,33 @@ class Watcher:
         if held is not None:
             self._pending = []
             return held
+        if self._amp is not None:
+            fatal = self._amp.take_fatal()  # an overflow on a step the scaler did not skip
+            if fatal is not None:
+                return fatal
         try:
-            return self.check()
+            return self.check() if self._amp is None else self._check_under_scaler(self._amp)
         except Exception as error:
             self._disable(f"checking the recorded frames failed: {error!r}")
             return None
+
+    def _check_under_scaler(self, amp: LossScaleMonitor) -> Report | None:
+        # Inf/nan first in gradients, and nowhere in the forward, may be an overflow the scaler skips (core/amp.py).
+        pending = list(self._pending)
+        report = self.check()
+        if report is None or not amp.enabled:
+            return report
+        # check() ends the report's frames at the first frame holding inf/nan.
+        if not report.frames or not is_backward_frame(report.frames[-1]):
+            return amp.annotate(report)
+        forward = [frame for frame in pending if not is_backward_frame(frame)]
+        if forward and find_non_finite(forward):  # one more read, on the rare overflow path only
+            # A later forward (or the loss) holds inf/nan too: never the scaler's doing, and that is the report.
+            self._pending = forward
+            fatal = self.check()
+            return None if fatal is None else amp.annotate(fatal)
+        self._ring.extend(pending)  # the overflow's frames stay as context for later reports
+        return amp.gradient_overflow(report)
 
     def agree(self, local: Report | None) -> GlobalDetection | None:
         """One all-reduce (when distributed) so that every rank learns of the first detection on any rank."""
@@ -300,6 +425,8 @@ class Watcher:
 
     def check_and_agree(self) -> None:
         """Check locally, agree across ranks, and raise `NonFiniteError` on every rank if any rank saw inf/nan."""
+        if self._nothing_to_agree():
+            return
         local = self.check_safely()
         if local is not None:
             # On disk before the collective: once other ranks learn of it they may exit, and a launcher such as
@@ -318,6 +445,10 @@ class Watcher:
             except OSError as error:
                 self.logger.warning(f"nanwatch could not write the report to {self.config.report_dir}: {error}")
         self.logger.error("\n" + text + "\n")
+        if report.phase == "train":
+            missed = self.schedule.missed_note(report.batch_number)
+            if missed is not None:
+                self.logger.warning(missed)
         if self._capture is not None:
             self._capture.save(report)  # never raises; the replay file is on disk before the detection is raised
 
@@ -335,6 +466,9 @@ class Watcher:
         where = f" on rank {agreed.rank}" if self.world_size > 1 else ""
         first = f", first in module {module_name!r}" if module_name is not None else ""
         report_text = local.to_text() if mine and local is not None else ""
+        culprit = local.culprit if mine and local is not None else None
+        if culprit is not None:
+            first += f": {culprit}"
         message = (
             f"nanwatch: inf/nan detected during {counter}={agreed.batch_number}{where}{first}. "
             + ("The report above shows the frames that led there." if report_text else "See that rank's report.")
@@ -348,6 +482,7 @@ class Watcher:
             optimizer_step=self.optimizer_step,
             epoch=self.epoch,
             phase=phase,
+            culprit=culprit,
         )
 
     def agreement_point(self) -> None:
@@ -359,13 +494,70 @@ class Watcher:
         self.check_and_agree()
         self._agreed_this_batch = True
 
-    def before_optimizer_step(self) -> None:
-        """Call before the optimizer applies the gradients: a step that would apply inf/nan never runs."""
+    def before_optimizer_step(self, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Call before the optimizer applies the gradients: a step that would apply inf/nan never runs.
+
+        Args:
+            optimizer: the optimizer about to step; under a `GradScaler`, its `found_inf` says whether an optimizer
+                that unscales in its own step (fused Adam) will skip this one.
+        """
+        self.optimizer_step_applying(optimizer)
         self.agreement_point()
+
+    def optimizer_step_applying(self, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """An optimizer step is about to run (from its step pre-hook); no collective, nothing raised here.
+
+        Under a `GradScaler`, gradients found non-finite before are then not on a skipped step: the next check (on
+        every rank) raises them. Adapters whose agreement point is not in the pre-hook call this one from it.
+        """
+        if self._amp is not None and self._amp.enabled:
+            self._amp.step_applying(optimizer, self.batch_number, self.optimizer_step)
 
     def after_optimizer_step(self) -> None:
         """Count a completed optimizer step."""
         self.optimizer_step = 1 if self.optimizer_step is None else self.optimizer_step + 1
+        if self._amp is not None:
+            self._amp.step_done()
+
+    # ------------------------------------------------------------------------------------------- loss scaling
+
+    def watch_scaler(self, scaler: GradScalerLike) -> None:
+        """Follow a `torch.amp.GradScaler`: inf/nan gradients on steps it skips are expected (see core/amp.py).
+
+        Raises:
+            TypeError: `scaler` is not a GradScaler.
+        """
+        self._amp = LossScaleMonitor(scaler, self.config.min_loss_scale, self.logger)
+        # The first reading: the baseline a first skipped step is seen against (before any scale(), the initial
+        # scale, read without touching the device).
+        self._amp.observe(self.batch_number, self.optimizer_step)
+
+    @property
+    def loss_scale(self) -> LossScaleMonitor | None:
+        """The scaler follower (its `history()`, `overflows`), or None without a scaler."""
+        return self._amp
+
+    def _follow_loss_scale(self, amp: LossScaleMonitor) -> None:
+        amp.step_done()
+        try:
+            scale = amp.observe(self.batch_number, self.optimizer_step)
+        except Exception as failure:  # a scaler we cannot read must not kill a healthy run
+            self.logger.warning(f"nanwatch could not read the GradScaler's scale (the run goes on): {failure!r}")
+            return
+        if scale is None or not amp.below_floor(scale):
+            return
+        report, error = amp.floor_detection(
+            scale,
+            batch_number=self.batch_number,
+            rank=self.rank,
+            world_size=self.world_size,
+            optimizer_step=self.optimizer_step,
+            epoch=self.epoch,
+        )
+        self.publish(report)
+        # The scale is the same on every rank (the scaler decides from all-reduced gradients), so every rank stops
+        # here, at the same batch, without a collective.
+        raise error
 
     def end_eval_batch(self) -> None:
         """An eval forward is over: check it on this rank alone and count it in `eval_batch_number`.
@@ -400,10 +592,13 @@ class Watcher:
         if self._phase == "eval":
             self.eval_batch_number += 1
             return
+        if self._amp is not None:
+            self._follow_loss_scale(self._amp)  # may raise LossScaleBelowFloor, on every rank alike
         self.batch_number += 1
         # The optimizer may have written the weights in a way `_version` does not show (fused kernels, `p.data`).
         self._cache.forget_parameters()
         self._update_tracing()
+        self._send_summary_if_due()
         limit = self.config.abort_after_batch_num
         if limit is not None and self.batch_number > limit:
             raise BatchLimitReached(
@@ -414,12 +609,41 @@ class Watcher:
 
     def flush(self) -> Report | None:
         """Check what is still pending without any collective (at close): publish a report if there is one."""
-        if not self._pending or self._disabled_reason is not None:
+        held_by_scaler = self._amp is not None and self._amp.has_fatal  # an overflow on a step the scaler let through
+        if (not self._pending and not held_by_scaler) or self._disabled_reason is not None:
             return None
         report = self.check_safely()
         if report is not None:
             self.publish(report)
         return report
+
+    # ------------------------------------------------------------------------------------------ scope, summary
+
+    def _nothing_to_agree(self) -> bool:
+        # Inside a stretch of unwatched training batches nothing was recorded, on any rank: skip the check and its
+        # collective. Decided from the config and batch_number alone (the previous batch too: frames it recorded
+        # after its own agreement point are checked now), so every rank skips the same ones.
+        if self._phase != "train" or self.schedule.watches_all:
+            return False
+        return not self.schedule.watched(self.batch_number) and not self.schedule.watched(self.batch_number - 1)
+
+    def summary(self) -> Summary | None:
+        """Abs max per watched module in the last training batch checked clean (reads its numbers back), or None."""
+        return self._summaries.summary()
+
+    def _send_summary_if_due(self) -> None:
+        sink = self.summary_sink
+        if sink is None or self._summaries.every is None:
+            return
+        try:
+            summary = self._summaries.due(self.batch_number)
+            if summary is not None:
+                sink(summary)
+        except Exception as error:  # a logger that fails must not kill a healthy run
+            self.logger.warning(f"nanwatch could not send its summary (the run goes on): {error!r}")
+
+    def _log_summary(self, summary: Summary) -> None:
+        self.logger.info(summary.to_text())
 
     # ------------------------------------------------------------------------------------------------- state
 

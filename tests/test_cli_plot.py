@@ -1,0 +1,183 @@
+"""`nanwatch plot`: the numbers behind the heatmap, and the PNG itself (size, and the colour of chosen cells)."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import nanwatch
+from nanwatch.cli import main
+from nanwatch.core.jsonl import read_blocks
+from nanwatch.plot import INF_COLOUR, MISSING_COLOUR, NAN_COLOUR, ROOT_LABEL, build_heatmap, draw_heatmap, figure_size
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+from tests.trace_models import Inject, run_amp_net, trace_path  # noqa: E402
+
+image = pytest.importorskip("matplotlib.image")
+
+
+class Ids(nn.Module):
+    """Embedding of integer ids, then an Inject: an integer input line the heatmap must leave out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(100, 4)
+        self.inject = Inject()
+        self.out = nn.Linear(4, 2)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.out(self.inject(self.embed(ids)))
+
+
+def _ids_trace(report_dir: Path) -> Path:
+    torch.manual_seed(0)
+    model = Ids()
+    ids = torch.tensor([[99, 1], [2, 3]])
+    with nanwatch.watch(model, trace_batch_nums=[0, 1, 2], report_dir=report_dir) as handle:
+        for batch in range(3):
+            model.inject.armed = batch == 2
+            model(ids)
+            if batch < 2:
+                handle.step()
+        with pytest.raises(nanwatch.NonFiniteError):
+            handle.step()
+    return trace_path(report_dir)
+
+
+def _pixel(png: Path, x: float, y: float) -> str:
+    pixels = image.imread(str(png))
+    red, green, blue = (round(float(channel) * 255) for channel in pixels[int(y), int(x)][:3])
+    return f"#{red:02x}{green:02x}{blue:02x}"
+
+
+def test_cells_hold_the_max_over_float_lines_and_the_worst_non_finite(tmp_path: Path) -> None:
+    heatmap = build_heatmap(read_blocks(str(_ids_trace(tmp_path))))
+    assert heatmap.rows == ["embed", "inject", "out", ROOT_LABEL]
+    assert heatmap.batches == [0, 1, 2]
+    assert heatmap.dtypes == ["float32"]
+    records = [r for r in read_blocks(f"{trace_path(tmp_path)}:0")[0].records if r.module == "embed"]
+    # The embed's int64 input (ids up to 99) is not a magnitude: the cell is the max of its weight and output.
+    float_max = max(float(r.abs_max or 0) for r in records if r.dtype == "float32")
+    assert float_max < 99
+    assert heatmap.cells[0][0] == float_max
+    inject, out, root = heatmap.cells[1], heatmap.cells[2], heatmap.cells[3]
+    assert inject[0] == inject[1]
+    assert inject[2] is not None
+    assert math.isnan(inject[2])  # one nan and two infs in the output: nan is the worst
+    assert out[2] is not None
+    assert math.isnan(out[2])
+    assert root[2] is not None
+    assert math.isnan(root[2])
+    deep = build_heatmap(read_blocks(str(trace_path(tmp_path))), depth=1)
+    assert deep.rows == heatmap.rows  # already one part deep
+
+
+def test_plot_writes_a_png_of_the_expected_size_with_inf_cells_in_their_colour(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run_amp_net(tmp_path, overflow_at=2, batches=3)
+    png = tmp_path / "heatmap.png"
+    capsys.readouterr()
+    assert main(["plot", str(trace_path(tmp_path)), "-o", str(png), "--dpi", "80"]) == 0
+    heatmap = build_heatmap(read_blocks(str(trace_path(tmp_path))))
+    assert heatmap.rows == ["fc1", "act", "amp", "fc2", ROOT_LABEL]
+    result = draw_heatmap(heatmap, tmp_path / "again.png", dpi=80)
+    assert capsys.readouterr().out == f"wrote {png} ({result.width}x{result.height} pixels, 5 modules, 3 batches)\n"
+    pixels = image.imread(str(png))
+    assert pixels.shape[:2] == (result.height, result.width)
+    width, height, _, _ = figure_size(heatmap)  # inches: grows with the rows, the columns and the longest name
+    assert abs(result.width - width * 80) <= 1
+    assert abs(result.height - height * 80) <= 1
+    assert result.dtype == "float16"
+    assert result.dtype_max_on_scale
+    assert math.log10(65504) < result.high < math.log10(65504) + 0.5
+    left, top, cells_width, cells_height = result.cells
+
+    def centre(row: int, column: int) -> tuple[float, float]:
+        return left + (column + 0.5) * cells_width / 3, top + (row + 0.5) * cells_height / 5
+
+    # Batch 2: amp's output is inf (float16 overflows), and what follows is inf or nan; batches 0 and 1 are finite.
+    amp = heatmap.cells[2]
+    assert amp[2] == math.inf
+    assert all(value is not None and math.isfinite(value) for cells in heatmap.cells for value in cells[:2])
+    for row, cells in enumerate(heatmap.cells):
+        for column, value in enumerate(cells):
+            assert value is not None
+            colour = _pixel(png, *centre(row, column))
+            if math.isnan(value):
+                assert colour == NAN_COLOUR, (row, column)
+            elif math.isinf(value):
+                assert colour == INF_COLOUR, (row, column)
+            else:
+                assert colour not in (INF_COLOUR, NAN_COLOUR, MISSING_COLOUR), (row, column)
+    # PIL reads it too (what a browser or a README renderer would use).
+    from PIL import Image
+
+    with Image.open(png) as opened:
+        assert opened.format == "PNG"
+        assert opened.size == (result.width, result.height)
+
+
+def test_a_float32_run_judged_against_float16_outlines_what_would_overflow(tmp_path: Path) -> None:
+    # float32 throughout; at batch 1 amp multiplies by 1e5: amp, fc2 and the root reach about 1e5 > 65504.
+    run_amp_net(tmp_path, dtype=torch.float32, overflow_at=1, batches=2)
+    heatmap = build_heatmap(read_blocks(str(trace_path(tmp_path))))
+    plain = draw_heatmap(heatmap, tmp_path / "fp32.png")
+    assert plain.dtype == "float32"
+    assert not plain.dtype_max_on_scale  # 3.4e38 is far above the largest number, 1e5
+    assert plain.high < 6
+    png = tmp_path / "as-fp16.png"
+    asked = draw_heatmap(heatmap, png, dtype="float16")
+    assert asked.dtype == "float16"
+    assert asked.dtype_max_on_scale
+    left, top, cells_width, cells_height = asked.cells
+    for row, cells in enumerate(heatmap.cells):
+        for column, value in enumerate(cells):
+            assert value is not None
+            assert math.isfinite(value)
+            y = top + (row + 0.5) * cells_height / 5
+            # The outline runs 0.08 of a cell inside its left edge; the centre keeps the cell's own colour.
+            edge = _pixel(png, left + (column + 0.08) * cells_width / 2, y)
+            centre = _pixel(png, left + (column + 0.5) * cells_width / 2, y)
+            assert centre != INF_COLOUR
+            assert (edge == INF_COLOUR) is (value > 65504), (heatmap.rows[row], column, value)
+    assert [name for name, cells in zip(heatmap.rows, heatmap.cells, strict=True) if (cells[1] or 0) > 65504] == [
+        "amp",
+        "fc2",
+        ROOT_LABEL,
+    ]
+
+
+def test_missing_matplotlib_names_the_extra(tmp_path: Path) -> None:
+    run_amp_net(tmp_path, overflow_at=None, batches=1)
+    code = (
+        "import sys\n"
+        "sys.modules['matplotlib'] = None  # as if it were not installed: importing it raises ImportError\n"
+        "from nanwatch.cli import main\n"
+        f"sys.exit(main(['plot', {str(trace_path(tmp_path))!r}, '-o', {str(tmp_path / 'x.png')!r}]))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert result.returncode == 2, result.stderr
+    assert 'pip install "nanwatch[plot]"' in result.stderr
+    assert "nanwatch plot: error:" in result.stderr
+    assert not (tmp_path / "x.png").exists()
+
+
+def test_bad_input_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run_amp_net(tmp_path, overflow_at=None, batches=1)
+    capsys.readouterr()
+    png = str(tmp_path / "x.png")
+    assert main(["plot", str(trace_path(tmp_path)), "-o", png, "--dtype", "int8"]) == 2
+    assert "dtype must name a floating-point torch dtype" in capsys.readouterr().err
+    assert main(["plot", str(tmp_path / "nanwatch-trace-rank0.txt"), "-o", png]) == 2
+    assert "is not JSON" in capsys.readouterr().err
+    assert main(["plot", str(trace_path(tmp_path)), "-o", str(tmp_path / "no" / "such" / "dir.png")]) == 2
+    assert "cannot write" in capsys.readouterr().err
