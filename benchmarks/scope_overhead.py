@@ -82,12 +82,12 @@ class Contender:
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
         self.handle = None if config is None else nanwatch.watch(model, **config)
 
-    def block(self, input_ids: torch.Tensor, device: torch.device) -> float:
-        """Seconds per step, averaged over BLOCK consecutive training steps."""
+    def block(self, input_ids: torch.Tensor, device: torch.device) -> tuple[float, float]:
+        """Wall seconds and this process's CPU seconds per step, averaged over BLOCK consecutive training steps."""
         self.model.train()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         for _ in range(BLOCK):
             self.optimizer.zero_grad(set_to_none=True)
             loss = self.model(input_ids, labels=input_ids).loss
@@ -97,7 +97,7 @@ class Contender:
                 self.handle.step()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        return (time.perf_counter() - start) / BLOCK
+        return (time.perf_counter() - start) / BLOCK, (time.process_time() - cpu_start) / BLOCK
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -112,10 +112,13 @@ def main(argv: list[str] | None = None) -> int:
     for contender in contenders:  # warm-up: one untimed block each (allocator, kernels, caches)
         contender.block(input_ids, device)
     per_step: dict[str, list[float]] = {c.variant: [] for c in contenders}
+    cpu_per_step: dict[str, list[float]] = {c.variant: [] for c in contenders}
     for round_index in range(args.rounds):
         shift = round_index % len(contenders)
         for contender in contenders[shift:] + contenders[:shift]:
-            per_step[contender.variant].append(contender.block(input_ids, device))
+            wall, cpu = contender.block(input_ids, device)
+            per_step[contender.variant].append(wall)
+            cpu_per_step[contender.variant].append(cpu)
 
     for contender in contenders:
         if contender.handle is not None:
@@ -135,7 +138,8 @@ def main(argv: list[str] | None = None) -> int:
         "shape": {"batch": args.batch, "seq": args.seq, "vocab": args.vocab, "n_embd": 256, "n_layer": 4},
         "variants": {},
     }
-    header = f"{'variant':<14} {'ms/step':>9} {'x none':>8} {'added ms':>9}   config"
+    # CPU time of this process is less disturbed than wall time when other programs share the machine.
+    header = f"{'variant':<14} {'ms/step':>9} {'x none':>8} {'added ms':>9} {'cpu x none':>11}   config"
     print(f"GPT-2 shape, batch {args.batch} x {args.seq}, {device}, {args.threads} threads, torch {torch.__version__}")
     print(f"median over {args.rounds} rounds of the mean of {BLOCK} consecutive training steps")
     print(header)
@@ -143,15 +147,19 @@ def main(argv: list[str] | None = None) -> int:
     for variant, times in per_step.items():
         median = statistics.median(times)
         ratio = statistics.median(t / n for t, n in zip(times, none, strict=True))
+        cpu_ratio = statistics.median(t / n for t, n in zip(cpu_per_step[variant], cpu_per_step["none"], strict=True))
         results["variants"][variant] = {
             "config": VARIANTS[variant],
             "median_s_per_step": median,
             "paired_ratio_to_none": ratio,
             "added_ms_per_step": (median - none_median) * 1e3,
+            "paired_cpu_ratio_to_none": cpu_ratio,
             "per_round_s": times,
+            "per_round_cpu_s": cpu_per_step[variant],
         }
         config = "-" if VARIANTS[variant] is None else json.dumps(VARIANTS[variant])
-        print(f"{variant:<14} {median * 1e3:9.1f} {ratio:8.3f} {(median - none_median) * 1e3:9.1f}   {config}")
+        added = (median - none_median) * 1e3
+        print(f"{variant:<14} {median * 1e3:9.1f} {ratio:8.3f} {added:9.1f} {cpu_ratio:11.3f}   {config}")
     if args.output is not None:
         args.output.parent.mkdir(parents=True, exist_ok=True)
         args.output.write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")

@@ -162,7 +162,7 @@ def test_a_nan_weight_is_named_as_already_broken() -> None:
     assert culprit.kind == "weight"
     assert (culprit.module_name, culprit.labels, culprit.values) == ("second.fc", ("weight",), "nan")
     assert culprit.message == (
-        "weight of second.fc (Linear) was already non-finite when this forward ran (weight nan (float32))"
+        "weight of second.fc (Linear) was already non-finite when this forward ran: weight nan (float32)"
     )
 
 

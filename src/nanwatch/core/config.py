@@ -94,7 +94,8 @@ class WatchConfig(BaseModel):
         0.125,
         description="Warn (nanwatch logger) when a tensor's abs max reaches this fraction of its dtype's max (float16: "
         "65504, bfloat16: 3.39e38, float8_e4m3fn: 448, float8_e5m2: 57344), before anything is inf. 0 < x <= 1; "
-        "null or 0: off. A tensor is warned about once, then again each time its headroom halves.",
+        "null or 0: off. A tensor is warned about once, then again each time its headroom halves; logged by the "
+        "ranks trace_ranks names.",
     )
     count_underflow: bool = Field(
         False,

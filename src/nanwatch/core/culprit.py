@@ -226,7 +226,7 @@ def _weight(frame: ResolvedFrame, weights: Sequence[ResolvedEntry]) -> Culprit:
     verb = "was" if len(labels) == 1 else "were"
     message = (
         f"{' and '.join(labels)} of {_where(frame.module_name, frame.class_name)} {verb} already non-finite when this "
-        f"forward ran ({_describe(weights)})"
+        f"forward ran: {_describe(weights)}"
     )
     return Culprit(
         kind="weight",

@@ -150,17 +150,19 @@ class UnderflowCounter:
         numel = data.numel()
         # float8 has no comparison kernels of its own; every float8 value is exact in float32.
         magnitude = data.float().abs() if data.dtype in FLOAT8_DTYPES else data.abs()
-        zeros = (magnitude == 0).sum()
+        # count_nonzero, not .sum() of a bool tensor: several times faster on the CPU. A nan is nonzero and below no
+        # threshold, so it is counted nowhere; "nonzero and below t" is "below t" less the zeros.
+        zeros = numel - torch.count_nonzero(magnitude)
         # Thresholds are powers of two: exact in every floating-point dtype whose range reaches them (and a threshold
         # below a dtype's range rounds to 0, where the count is rightly 0).
-        subnormal = (magnitude < own.smallest_normal).sum() - zeros
+        subnormal = torch.count_nonzero(magnitude < own.smallest_normal) - zeros
         limit = math.floor(self.warn_fraction * numel)
         target = self.target
         if target is None or target.dtype == data.dtype:
             not_applicable = torch.full_like(subnormal, -1)
             return torch.stack([subnormal, not_applicable, not_applicable, subnormal - limit])
-        below = (magnitude < target.smallest_normal).sum() - zeros
-        flushed = (magnitude <= target.flush_at).sum() - zeros
+        below = torch.count_nonzero(magnitude < target.smallest_normal) - zeros
+        flushed = torch.count_nonzero(magnitude <= target.flush_at) - zeros
         return torch.stack([subnormal, below, flushed, torch.maximum(subnormal, below) - limit])
 
 

@@ -100,7 +100,12 @@ class Watcher:
     # ----------------------------------------------------------------------------------------------------- hooks
 
     def attach(self, modules: Iterable[tuple[str, torch.nn.Module]] | None = None) -> None:
-        """Put a forward hook on every module (or on the given `(name, module)` pairs)."""
+        """Put a forward hook on every module (or on the given `(name, module)` pairs) that the config's scope keeps.
+
+        Raises:
+            ConfigError: an `include_modules`/`exclude_modules` pattern matches none of the modules, or together
+                they leave none; no hook is added then.
+        """
         if len(self._hooks):
             raise RuntimeError("nanwatch: hooks are already attached; call detach() first")
         candidates = modules if modules is not None else named_unique_modules(self.model)
