@@ -99,18 +99,33 @@ def _measurements(frames: Sequence[Frame]) -> Iterable[Measurement]:
 
 
 def find_non_finite(frames: Sequence[Frame]) -> bool:
-    """True when any float measurement in `frames` is inf or nan. One host sync per device, however many tensors."""
-    by_group: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    for measurement in _measurements(frames):
-        assert measurement.abs_max is not None
-        if measurement.abs_max.is_floating_point():
-            by_group.setdefault((measurement.abs_max.device, measurement.abs_max.dtype), []).append(
-                measurement.abs_max
-            )
+    """True when any float measurement in `frames` is inf or nan. One host sync per device, however many tensors.
+
+    Runs once per batch over every entry recorded in it, so it is kept lean: a measurement shared by several entries
+    (an output that is the next module's input) is looked at once, and the groups are keyed by dtype and device.
+    """
+    by_group: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    seen: set[int] = set()
+    for frame in frames:
+        for entry in frame.entries:
+            measurement = entry.measurement
+            if measurement is None:
+                continue
+            maximum = measurement.abs_max
+            # abs_max is nan when any value is nan, inf when any is inf: it alone decides.
+            if maximum is None or not maximum.is_floating_point() or id(measurement) in seen:
+                continue
+            seen.add(id(measurement))
+            key = (maximum.dtype, maximum.device)
+            group = by_group.get(key)
+            if group is None:
+                by_group[key] = [maximum]
+            else:
+                group.append(maximum)
     if not by_group:
         return False
     finite_per_device: dict[torch.device, list[torch.Tensor]] = {}
-    for (device, _dtype), maxima in by_group.items():
+    for (_dtype, device), maxima in by_group.items():
         finite_per_device.setdefault(device, []).append(torch.isfinite(torch.stack(maxima)).all())
     return any(not bool(torch.stack(flags).all()) for flags in finite_per_device.values())
 

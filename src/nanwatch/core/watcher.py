@@ -37,6 +37,9 @@ __all__ = ["Watcher", "PHASES"]
 PHASES = ("train", "eval")
 # A loop that never ends its batches would grow the pending frames without bound; past this many, check and commit.
 _MAX_PENDING_FRAMES = 100_000
+# Labels built once rather than formatted at every module call.
+_INPUT_LABELS = tuple(f"input[{index}]" for index in range(16))
+_ITEM_SUFFIXES = tuple(f"[{index}]" for index in range(16))
 
 
 class Watcher:
@@ -180,22 +183,29 @@ class Watcher:
         return self.batch_number if self._phase == "train" else self.eval_batch_number
 
     def _record(self, name: str, class_name: str, module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        frame = Frame(name, class_name, self.current_batch, self._phase)
-        entries = frame.entries
+        # Runs after every module's forward, right after heavy kernels have flushed the CPU caches, where each
+        # Python operation costs several times what it costs in isolation: keep the work per call minimal. No
+        # `torch.no_grad()` here: `measure()` works on detached tensors, so it never builds a graph anyway.
         cache = self._cache
-        with torch.no_grad():
-            for param_name, param in module._parameters.items():
-                if param is not None:
-                    entries.append(Entry(param_name, cache.parameter(param)))
-            for index, value in enumerate(args):
-                if isinstance(value, torch.Tensor):
-                    entries.append(Entry(f"input[{index}]", cache.activation(value)))
-                else:
-                    self._add_leaves(entries, value, f"input[{index}]")
-            if isinstance(output, torch.Tensor):
-                entries.append(Entry("output", cache.activation(output)))
+        entries: list[Entry] = []
+        for param_name, param in module._parameters.items():
+            if param is not None:
+                entries.append(Entry(param_name, cache.parameter(param)))
+        activation = cache.activation
+        for index, value in enumerate(args):
+            label = _INPUT_LABELS[index] if index < len(_INPUT_LABELS) else f"input[{index}]"
+            if isinstance(value, torch.Tensor):
+                entries.append(Entry(label, activation(value)))
             else:
-                self._add_leaves(entries, output, "output")
+                self._add_leaves(entries, value, label)
+        if isinstance(output, torch.Tensor):
+            entries.append(Entry("output", activation(output)))
+        else:
+            self._add_leaves(entries, output, "output")
+        phase = self._phase
+        frame = Frame(
+            name, class_name, self.batch_number if phase == "train" else self.eval_batch_number, phase, entries
+        )
         self._pending.append(frame)
         if self._tracing:
             self._trace(frame, module, args, output)
@@ -203,9 +213,24 @@ class Watcher:
             self._commit_if_clean()
 
     def _add_leaves(self, entries: list[Entry], value: Any, label: str) -> None:
+        activation = self._cache.activation
+        if type(value) is tuple and len(value) <= len(_ITEM_SUFFIXES):
+            # The common case (attention blocks return `(hidden, None)`): a flat tuple of tensors and Nones needs
+            # no walk. Anything else in it, and the whole value is walked as usual.
+            flat = []
+            for index, item in enumerate(value):
+                if isinstance(item, torch.Tensor):
+                    flat.append(Entry(label + _ITEM_SUFFIXES[index], activation(item)))
+                elif item is None:
+                    flat.append(Entry(label + _ITEM_SUFFIXES[index], note="None"))
+                else:
+                    break
+            else:
+                entries.extend(flat)
+                return
         for leaf_label, leaf in walk(value, label):
             if isinstance(leaf, torch.Tensor):
-                entries.append(Entry(leaf_label, self._cache.activation(leaf)))
+                entries.append(Entry(leaf_label, activation(leaf)))
             elif leaf is None:
                 entries.append(Entry(leaf_label, note="None"))
             elif isinstance(leaf, TooDeep):
