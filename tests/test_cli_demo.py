@@ -51,7 +51,8 @@ def test_demo_overflows_for_real_and_reports(tmp_path: Path) -> None:
 
 def test_demo_stops_before_the_step_that_would_apply_inf() -> None:
     stopped_at = run_demo(WatchConfig(max_frames_to_save=4), steps=50)
-    assert stopped_at is not None and stopped_at < 50
+    assert stopped_at is not None
+    assert stopped_at < 50
 
 
 def test_demo_parser_takes_config_fields() -> None:

@@ -21,7 +21,10 @@ __all__ = ["watch", "WatchHandle", "unwrap_model"]
 
 
 def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
-    """The module inside DistributedDataParallel/DataParallel wrappers, so names read `encoder.0`, not `module.encoder.0`."""
+    """The module inside DistributedDataParallel/DataParallel wrappers.
+
+    Names then read `encoder.0`, not `module.encoder.0`.
+    """
     while isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
         model = model.module
     return model

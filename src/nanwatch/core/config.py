@@ -27,7 +27,9 @@ class WatchConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
 
-    max_frames_to_save: int = Field(21, ge=1, description="How many frames the report shows, ending at the first inf/nan.")
+    max_frames_to_save: int = Field(
+        21, ge=1, description="How many frames the report shows, ending at the first inf/nan."
+    )
     trace_batch_nums: list[int] = Field(
         default_factory=list, description="0-indexed batch numbers whose every frame is logged as it happens."
     )

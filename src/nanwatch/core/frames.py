@@ -135,7 +135,8 @@ def resolve(frames: Sequence[Frame]) -> list[ResolvedFrame]:
     groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     slots: dict[int, tuple[tuple[torch.device, torch.dtype], int]] = {}
     for measurement in _measurements(frames):
-        assert measurement.abs_min is not None and measurement.abs_max is not None
+        assert measurement.abs_min is not None
+        assert measurement.abs_max is not None
         key = (measurement.abs_max.device, measurement.abs_max.dtype)
         group = groups.setdefault(key, [])
         slots[id(measurement)] = (key, len(group))

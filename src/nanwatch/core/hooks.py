@@ -27,7 +27,9 @@ class HookSet:
     def add_forward(self, module: torch.nn.Module, hook: ForwardHook) -> None:
         self._handles.append(module.register_forward_hook(hook))
 
-    def add_forward_pre(self, module: torch.nn.Module, hook: Callable[[torch.nn.Module, tuple[Any, ...]], None]) -> None:
+    def add_forward_pre(
+        self, module: torch.nn.Module, hook: Callable[[torch.nn.Module, tuple[Any, ...]], None]
+    ) -> None:
         self._handles.append(module.register_forward_pre_hook(hook))
 
     def add_handle(self, handle: RemovableHandle) -> None:

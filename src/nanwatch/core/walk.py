@@ -28,9 +28,7 @@ def walk(value: Any, label: str) -> Iterator[tuple[str, Any]]:
 
     Tuples and lists are indexed, mappings and dataclasses (transformers' ModelOutput is both) are walked by key.
     """
-    leaves = 0
-    for item in _walk(value, label, 0):
-        leaves += 1
+    for leaves, item in enumerate(_walk(value, label, 0), start=1):
         if leaves > MAX_LEAVES:
             rest = 1 + sum(1 for _ in _walk(value, label, 0)) - leaves
             yield f"{label} (not shown: {rest} more)", TooMany(rest)
