@@ -14,7 +14,7 @@ After warm-up, each repetition times one step of each copy (training: forward, b
 repetition to the next. The figures are medians. The model is float32 with small random weights, so nothing comes
 near a limit and no warning is logged: this is the cost of looking, paid at every batch.
 
-    python benchmarks/headroom_overhead.py                      # about two minutes on 2 cores
+    python benchmarks/headroom_overhead.py                      # a few minutes on 2 cores
     python benchmarks/headroom_overhead.py --repeats 40 --output /tmp/headroom.json
 
 A benchmark, not a test: it reports and asserts nothing. Needs `transformers` (the `transformers` extra).

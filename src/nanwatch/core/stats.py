@@ -88,58 +88,15 @@ _ABS_KEEPS_DTYPE: frozenset[torch.dtype] = frozenset(
     (torch.float32, torch.float16, torch.bfloat16, torch.float64)
     + (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 )
-# Up to this many elements a fresh abs() is as cheap as anything (small allocations are recycled by malloc).
-_SMALL = 1 << 15
 # CPU: magnitudes go through a reused buffer of this many elements. A fresh abs() of a large tensor is a fresh
 # allocation, which glibc serves with mmap and the kernel with page faults: for 32 MiB of logits that costs more
-# than the abs itself. A chunk this size also stays in cache between the abs and the aminmax that reads it.
+# than the abs itself. Larger tensors go through it in chunks of this size.
 _CPU_CHUNK = 1 << 20
 # Other devices have caching allocators; chunks there only bound the temporary copy of a huge tensor (logits).
 _DEVICE_CHUNK = 1 << 26
-_scratch = threading.local()  # per thread: a forward may run in several threads (DataParallel, user threads)
-
-
-def _abs_aminmax(data: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`torch.aminmax(data.abs())`, the same numbers, without a full-size temporary for large tensors."""
-    numel = data.numel()
-    if numel <= _SMALL:
-        return torch.aminmax(data.abs())
-    on_cpu = data.device.type == "cpu"
-    chunk = _CPU_CHUNK if on_cpu else _DEVICE_CHUNK
-    contiguous = data.is_contiguous()
-    if numel > chunk and not contiguous:
-        return torch.aminmax(data.abs())  # rare: a large strided view
-    if not on_cpu and numel <= chunk:
-        return torch.aminmax(data.abs())
-    parts: list[tuple[torch.Tensor, torch.Tensor]] = []
-    if on_cpu:
-        buffer = _cpu_buffer(data.dtype)
-        if numel <= chunk:
-            target = buffer[:numel] if contiguous else buffer[:numel].view(data.shape)
-            return _magnitude_range(torch.abs(data.view(-1) if contiguous else data, out=target))
-        flat = data.view(-1)
-        for start in range(0, numel, chunk):
-            part = flat[start : start + chunk]
-            parts.append(_magnitude_range(torch.abs(part, out=buffer[: part.numel()])))
-    else:
-        flat = data.view(-1)
-        parts.extend(torch.aminmax(flat[start : start + chunk].abs()) for start in range(0, numel, chunk))
-    # min and max propagate nan, so a nan in any chunk gives nan, as a single aminmax would.
-    return torch.stack([part[0] for part in parts]).min(), torch.stack([part[1] for part in parts]).max()
-
-
-def _cpu_buffer(dtype: torch.dtype) -> torch.Tensor:
-    """This thread's reused buffer of `_CPU_CHUNK` elements of `dtype`."""
-    buffers: dict[torch.dtype, torch.Tensor] | None = getattr(_scratch, "buffers", None)
-    if buffers is None:
-        buffers = _scratch.buffers = {}
-    buffer = buffers.get(dtype)
-    if buffer is None:
-        with torch.inference_mode(False):  # an inference tensor could not be written outside inference mode
-            buffer = buffers[dtype] = torch.empty(_CPU_CHUNK, dtype=dtype)
-    return buffer
-
-
+# From this many elements on, the magnitudes are reduced as integers (see `_SAME_SIZE_INT`): it saves more time in
+# the reduction than the three extra tiny ops cost.
+_INT_REDUCE_FROM = 1 << 19
 # After abs() a float's sign bit is clear, so its bits, read as a signed integer of the same size, order as its
 # magnitude does (nan above inf). Integer min/max skip the nan bookkeeping of float reductions: on the CPU they take
 # about half the time.
@@ -151,15 +108,80 @@ _SAME_SIZE_INT: dict[torch.dtype, torch.dtype] = {
 }
 
 
-def _magnitude_range(magnitudes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """min and max of the output of abs(), exactly as `torch.aminmax` gives them (nan if any is nan)."""
-    as_int = _SAME_SIZE_INT.get(magnitudes.dtype)
-    if as_int is None:  # integers already reduce fast
-        return torch.aminmax(magnitudes)
-    low, high = torch.aminmax(magnitudes.view(as_int))
-    high = high.view(magnitudes.dtype)
+class _Scratch(threading.local):
+    """Per thread (a forward may run in several: DataParallel, user threads): one buffer per dtype, and views of it
+    shaped like the tensors met so far, so that measuring one costs two torch calls and no allocation."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[torch.dtype, torch.Tensor] = {}
+        self.views: dict[tuple[torch.dtype, torch.Size], tuple[torch.Tensor, torch.Tensor | None]] = {}
+
+    def views_for(self, dtype: torch.dtype, shape: torch.Size, numel: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A view of the buffer shaped `shape`, and the same as integers when they are to be reduced as such."""
+        key = (dtype, shape)
+        views = self.views.get(key)
+        if views is None:
+            target = self.buffer(dtype)[:numel].view(shape)
+            as_int = _SAME_SIZE_INT.get(dtype) if numel >= _INT_REDUCE_FROM else None
+            views = (target, None if as_int is None else target.view(as_int))
+            if len(self.views) >= 1024:  # a model whose shapes never repeat: do not grow without bound
+                self.views.clear()
+            self.views[key] = views
+        return views
+
+    def buffer(self, dtype: torch.dtype) -> torch.Tensor:
+        buffer = self.buffers.get(dtype)
+        if buffer is None:
+            with torch.inference_mode(False):  # an inference tensor could not be written outside inference mode
+                buffer = self.buffers[dtype] = torch.empty(_CPU_CHUNK, dtype=dtype)
+        return buffer
+
+
+_scratch = _Scratch()
+
+
+def _abs_aminmax(data: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`torch.aminmax(data.abs())`, the same numbers, without a fresh full-size temporary on the CPU."""
+    numel = data.numel()
+    if not data.is_cpu:
+        if numel <= _DEVICE_CHUNK or not data.is_contiguous():
+            return torch.aminmax(data.abs())
+        flat = data.view(-1)
+        parts: list[tuple[torch.Tensor, torch.Tensor]] = [
+            torch.aminmax(flat[start : start + _DEVICE_CHUNK].abs()) for start in range(0, numel, _DEVICE_CHUNK)
+        ]
+    elif numel <= _CPU_CHUNK:
+        target, as_int = _scratch.views_for(data.dtype, data.shape, numel)
+        torch.abs(data, out=target)
+        if as_int is None:
+            return torch.aminmax(target)
+        return _as_magnitudes(torch.aminmax(as_int), data.dtype)
+    elif not data.is_contiguous():
+        return torch.aminmax(data.abs())  # rare: a large strided view
+    else:
+        buffer = _scratch.buffer(data.dtype)
+        int_dtype = _SAME_SIZE_INT.get(data.dtype)
+        flat = data.view(-1)
+        parts = []
+        for start in range(0, numel, _CPU_CHUNK):
+            part = flat[start : start + _CPU_CHUNK]
+            magnitudes = torch.abs(part, out=buffer[: part.numel()])
+            if int_dtype is None:
+                parts.append(torch.aminmax(magnitudes))
+            else:
+                parts.append(_as_magnitudes(torch.aminmax(magnitudes.view(int_dtype)), data.dtype))
+    # min and max propagate nan, so a nan in any chunk gives nan, as a single aminmax would.
+    return torch.stack([part[0] for part in parts]).min(), torch.stack([part[1] for part in parts]).max()
+
+
+def _as_magnitudes(
+    int_range: tuple[torch.Tensor, torch.Tensor], dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (min, max) of magnitudes reduced as integers, back as floats, exactly as a float aminmax gives them."""
+    low, high = int_range
+    high = high.view(dtype)
     # A nan makes `high` nan; minimum() passes it on, as a float min() would have.
-    return torch.minimum(low.view(magnitudes.dtype), high), high
+    return torch.minimum(low.view(dtype), high), high
 
 
 def _fingerprint(tensor: torch.Tensor) -> tuple[int, torch.dtype, int]:
