@@ -209,3 +209,21 @@ def test_nan_is_never_hidden_behind_a_finite_maximum() -> None:
     assert math.isnan(summary.metrics()["nanwatch/absmax_global"])
     assert Summary(0, {}).to_text() == "nanwatch summary of batch_number=0: no float tensor was recorded"
     assert Summary(0, {}).metrics() == {"nanwatch/batch_number": 0.0}
+
+
+def test_gradient_lines_are_left_out() -> None:
+    # With watch_gradients the backward frames join the ring under the module's name; the summary is about forwards.
+    model = mlp()
+    watcher = Watcher(model, WatchConfig(watch_gradients=True))
+    watcher.attach()
+    x = torch.tensor([[1.0, -2.0, 3.0, -4.0]])
+    out = model(x)
+    (out.sum() * 1e6).backward()  # gradients far larger than any activation
+    watcher.end_batch()
+    summary = watcher.summary()
+    watcher.detach()
+    assert summary is not None
+    assert any(frame.class_name.endswith("(backward)") for frame in watcher.recent_frames())
+    assert summary.absmax[""] == amax(x, out)
+    assert summary.max_value is not None
+    assert summary.max_value < 1e3

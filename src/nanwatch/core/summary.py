@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from nanwatch.core.frames import Frame, resolve
+from nanwatch.core.gradients import GRAD_PREFIX
 from nanwatch.core.scope import ROOT_NAME
 
 __all__ = ["Summary", "SummaryCollector", "METRIC_PREFIX", "ABSMAX_PREFIX", "GLOBAL_KEY", "BATCH_KEY"]
@@ -27,7 +28,7 @@ _TEXT_TOP = 10
 
 @dataclass(frozen=True)
 class Summary:
-    """Per-module abs max over the float tensors (parameters, inputs, outputs) of one training batch.
+    """Per-module abs max over the float forward tensors (parameters, inputs, outputs) of one training batch.
 
     Attributes:
         batch_number: the watched training batch the numbers come from.
@@ -123,8 +124,10 @@ class SummaryCollector:
         class_names: dict[str, str] = {}
         for frame in resolve(self._frames):
             for entry in frame.entries:
-                # Floats only: token ids and masks are integers whose magnitudes say nothing about overflow.
-                if not isinstance(entry.abs_max, float):
+                # Floats only: token ids and masks are integers whose magnitudes say nothing about overflow. Forward
+                # tensors only: gradient lines (watch_gradients) of a batch are checked at different points in each
+                # adapter, and their scale is not the activations'.
+                if not isinstance(entry.abs_max, float) or entry.label.startswith(GRAD_PREFIX):
                     continue
                 seen = absmax.get(frame.module_name)
                 if seen is None or _order_key(entry.abs_max) > _order_key(seen):
