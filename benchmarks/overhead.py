@@ -1,81 +1,114 @@
-"""How much a watcher slows a GPT-2-shaped model down: none vs `nanwatch.watch` vs transformers' tool.
+"""How much watching slows a GPT-2-shaped model down: none vs `nanwatch.watch` (any config) vs transformers' tool.
 
-Three copies of one model, with identical weights, each with its own AdamW: one unwatched, one under
-`nanwatch.watch()` (kept attached for the whole run, as in a real loop), one under transformers'
-`DebugUnderflowOverflow` (which cannot be removed, hence the copies). After warm-up, every repetition times one step
-of each copy, in an order that rotates from one repetition to the next, so drifts in machine speed hit all three
-alike. The figures are medians over the repetitions.
+One model (transformers' `GPT2LMHeadModel`: 4 layers, width 256, 4 heads, vocabulary 8192, batch 8 x sequence 128,
+CPU, 2 threads) and one AdamW, shared by every variant:
 
-    python benchmarks/overhead.py                      # the default run (about 2 minutes on 2 cores)
-    python benchmarks/overhead.py --repeats 60 --output /tmp/overhead.json
+    none     no hooks at all
+    watch    `nanwatch.watch(model, <config>)`: the config of the command line (`--config FILE`, `--watch-gradients`,
+             ... any `WatchConfig` field; the defaults otherwise)
+    hf       transformers' `DebugUnderflowOverflow(model)`
+    + with `--each-option`, one more `watch` per option of the table OPTIONS below (on top of the same config).
 
-Needs `transformers` (the `transformers` extra). This is a benchmark, not a test: it asserts nothing about speed,
-it reports; the targets of the design are printed next to the figures.
+Every variant is set up once, on the same model, then its hooks are taken off the model (see `HookStash`) and put
+back only around its own steps, so each watcher keeps its state (cached weight stats, counters, buffers) as in a
+real run, and no variant pays for another's hooks. Sharing one model matters: separate copies of the same weights
+differ in speed by up to 3 % through memory placement alone, as much as the effect measured. Each round times one
+step of every variant, in an order that rotates from round to round. A training step is zero_grad, forward with
+labels, backward, AdamW step, `handle.step()`; an inference step is an eval forward under `torch.no_grad()`, which
+nanwatch checks as it returns (`watch_eval=True`).
+
+A variant that watches only some batches (`watch_every_n_batches=10`) costs different amounts at different positions
+of its period, so a variant's cost per step is the mean over the positions of the period of the median step time at
+that position (for the others: the median). Ratios are costs over the cost of `none`.
+
+    python benchmarks/overhead.py                                  # none / watch / hf, about 3 minutes on 2 cores
+    python benchmarks/overhead.py --watch-gradients --modes train  # the same, with a config option
+    python benchmarks/overhead.py --each-option                    # every option of issue 4, about 12 minutes
+    python benchmarks/overhead.py --rounds 60 --output /tmp/overhead.json
+
+Needs `transformers` (the `transformers` extra). A benchmark, not a test: it asserts nothing about speed, it
+reports; the targets of the design are printed next to the figures. Run it on a quiet machine: other processes
+taking a core from torch's threads slow some steps down by 2x (the table says how busy the machine was).
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
+import io
 import json
+import logging
+import math
 import os
 import platform
 import statistics
 import sys
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
 import nanwatch
+from nanwatch.cli_config import add_config_arguments, config_from_args
+from nanwatch.core.log import get_logger
 
-VARIANTS = ("none", "watch", "hf")
 # Targets of the design (issue 2, item 5): watch/none per mode, and watch's added time over the tool's added time.
 TARGETS = {"train": 1.05, "infer": 1.10, "added_vs_hf": 0.25}
 DEFAULT_OUTPUT = Path(__file__).resolve().parent / "results" / "overhead.json"
+# One watched variant per option (issue 4 and the scope options), each on top of the command line's config; the
+# modes it means something in (gradients, batch schedules and summaries are about training batches).
+OPTIONS: dict[str, tuple[dict[str, Any], tuple[str, ...]]] = {
+    "headroom off": ({"headroom_warn_fraction": None}, ("train", "infer")),
+    "count_underflow": ({"count_underflow": True}, ("train", "infer")),
+    "target_dtype=float16": ({"target_dtype": "float16"}, ("train", "infer")),
+    "watch_gradients": ({"watch_gradients": True}, ("train",)),
+    # report_dir: a fresh temporary folder, unless the command line gives one (the replay file would go there)
+    "capture_on_detect": ({"capture_on_detect": True, "report_dir": None}, ("train", "infer")),
+    "include 1 block": ({"include_modules": ["transformer.h.0", "transformer.h.0.*"]}, ("train", "infer")),
+    "every 10th batch": ({"watch_every_n_batches": 10}, ("train",)),
+    "every 10th + summary": ({"watch_every_n_batches": 10, "summary_every_n_batches": 10}, ("train",)),
+}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--repeats", type=int, default=25, help="timed training steps per variant (default 25)")
-    parser.add_argument(
-        "--infer-repeats", type=int, default=None, help="timed inference steps per variant (default: 2 x --repeats)"
+    parser = argparse.ArgumentParser(
+        description=(__doc__ or "").split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per variant and mode first (default 3)")
+    parser.add_argument("--modes", default="train,infer", help="comma-separated subset of train,infer (default both)")
+    parser.add_argument("--rounds", type=int, default=30, help="timed training rounds, a multiple of 10 (default 30)")
+    parser.add_argument("--infer-rounds", type=int, default=None, help="timed inference rounds (default: 2 x --rounds)")
+    parser.add_argument(
+        "--warmup", type=int, default=10, help="untimed steps per variant and mode first, a multiple of 10 (default 10)"
+    )
+    parser.add_argument("--each-option", action="store_true", help="also time one variant per option of OPTIONS")
+    parser.add_argument("--no-hf", action="store_true", help="leave transformers' DebugUnderflowOverflow out")
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default 2)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     parser.add_argument("--vocab", type=int, default=8192, help="vocabulary size (default 8192)")
     parser.add_argument("--batch", type=int, default=8, help="batch size (default 8)")
     parser.add_argument("--seq", type=int, default=128, help="sequence length (default 128)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--modes", default="train,infer", help="comma-separated subset of train,infer (default both)")
-    parser.add_argument(
-        "--max-foreign-load",
-        type=float,
-        default=0.10,
-        help="a round during which other processes used more CPU than this (in cores) is run again (default 0.10)",
-    )
-    parser.add_argument(
-        "--max-rounds-factor",
-        type=float,
-        default=3.0,
-        help="give up rerunning disturbed rounds after this many times the repeats (default 3)",
-    )
     parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT, help=f"JSON results (default {DEFAULT_OUTPUT})")
+    # The watched variant's config: one option per WatchConfig field; eval forwards are watched unless told not to.
+    add_config_arguments(parser, defaults={"watch_eval": True})
     args = parser.parse_args(argv)
-    if args.infer_repeats is None:
-        args.infer_repeats = 2 * args.repeats
+    if args.infer_rounds is None:
+        args.infer_rounds = 2 * args.rounds
     modes = [mode.strip() for mode in args.modes.split(",") if mode.strip()]
-    unknown = sorted(set(modes) - {"train", "infer"})
-    if unknown or not modes:
+    if not modes or set(modes) - {"train", "infer"}:
         parser.error(f"--modes can hold train and infer, got {args.modes!r}")
     args.modes = modes
-    if args.repeats < 1 or args.infer_repeats < 1 or args.warmup < 0:
-        parser.error("--repeats and --infer-repeats must be >= 1, --warmup >= 0")
-    if args.max_rounds_factor < 1:
-        parser.error(f"--max-rounds-factor must be >= 1, got {args.max_rounds_factor}")
+    for name in ("rounds", "infer_rounds", "warmup"):
+        value = getattr(args, name)
+        if value < 0 or (name != "warmup" and value == 0) or value % PERIOD:
+            parser.error(f"--{name.replace('_', '-')} must be a positive multiple of {PERIOD}, got {value}")
+    args.watch_config = config_from_args(args)
     return args
+
+
+PERIOD = 10  # the longest batch period of OPTIONS; rounds and warm-up are multiples of it
 
 
 def build_model(vocab: int, seq: int, seed: int) -> torch.nn.Module:
@@ -84,77 +117,165 @@ def build_model(vocab: int, seq: int, seed: int) -> torch.nn.Module:
 
     transformers_logging.set_verbosity_error()  # its notes on the config's defaults are noise here
     config = GPT2Config(
-        vocab_size=vocab,
-        n_positions=seq,
-        n_embd=256,
-        n_layer=4,
-        n_head=4,
-        bos_token_id=vocab - 1,
-        eos_token_id=vocab - 1,
+        vocab_size=vocab, n_positions=seq, n_embd=256, n_layer=4, n_head=4, bos_token_id=0, eos_token_id=0
     )
     torch.manual_seed(seed)
     return GPT2LMHeadModel(config)
 
 
-class Contender:
-    """One model copy, its optimizer, and how it is watched."""
+class HookStash:
+    """The hooks a tool put on a model, taken off and put back, so several tools can share one model.
 
-    def __init__(self, variant: str, model: torch.nn.Module) -> None:
-        self.variant = variant
-        self.model = model
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    `capture(setup)` runs `setup()` (which registers the tool's hooks) and notes every hook that appeared in a hook
+    dict of a module or parameter; `take_off()` removes exactly those, `put_back()` reinserts them under the same
+    keys (so the tool's own handles can still remove them), in the same order. The optimizer's step hooks
+    (`watch(..., optimizer=)`) count too.
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self._owners: list[object] = [*model.modules(), *model.parameters(), optimizer]
+        self._hooks: list[tuple[dict[int, Any], int, Any]] = []
+
+    def _hook_dicts(self) -> Iterator[tuple[object, str, dict[int, Any]]]:
+        for owner in self._owners:
+            for name, value in vars(owner).items():
+                if "hooks" in name and isinstance(value, dict):
+                    yield owner, name, value
+
+    def capture(self, setup: Callable[[], Any]) -> Any:
+        before = {(id(owner), name): set(hooks) for owner, name, hooks in self._hook_dicts()}
+        result = setup()
+        for owner, name, hooks in self._hook_dicts():
+            known = before.get((id(owner), name), set())
+            self._hooks.extend((hooks, key, hook) for key, hook in hooks.items() if key not in known)
+        return result
+
+    def take_off(self) -> None:
+        for hooks, key, _hook in self._hooks:
+            hooks.pop(key, None)
+
+    def put_back(self) -> None:
+        for hooks, key, hook in self._hooks:
+            hooks[key] = hook
+
+
+class Variant:
+    """One way of watching the shared model: its hooks, its handle, its step times by position in its period."""
+
+    def __init__(self, name: str, config: nanwatch.WatchConfig | None, period: int = 1) -> None:
+        self.name = name
+        self.config = config
+        self.period = period
         self.handle: nanwatch.WatchHandle | None = None
         self.hf: Any = None
-        if variant == "watch":
-            self.handle = nanwatch.watch(model, watch_eval=True)
-        elif variant == "hf":
+        self.stash: HookStash | None = None
+        self.steps_taken = {"train": 0, "infer": 0}
+        self.times: dict[str, list[tuple[int, float]]] = {"train": [], "infer": []}
+
+    def set_up(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        if self.name == "none":
+            return
+        self.stash = HookStash(model, optimizer)
+        if self.name == "hf":
             from transformers.debug_utils import DebugUnderflowOverflow
 
-            self.hf = DebugUnderflowOverflow(model)
-
-    def train_step(self, input_ids: torch.Tensor) -> float:
-        self.model.train()
-        self.optimizer.zero_grad(set_to_none=True)
-        loss = self.model(input_ids, labels=input_ids).loss
-        loss.backward()
-        self.optimizer.step()
-        if self.handle is not None:
-            self.handle.step()
-        return float(loss.detach())
-
-    def infer_step(self, input_ids: torch.Tensor) -> None:
-        self.model.eval()
-        with torch.no_grad():
-            self.model(input_ids)  # nanwatch checks this eval forward as it returns
+            self.hf = self.stash.capture(lambda: DebugUnderflowOverflow(model))
+        else:
+            assert self.config is not None
+            self.handle = self.stash.capture(lambda: nanwatch.watch(model, self.config, optimizer=optimizer))
+        self.stash.take_off()
 
     def close(self) -> None:
-        if self.handle is not None:
+        # nanwatch removes its own hooks (put back first, so its handles find them); transformers' tool cannot
+        # remove its hooks, so they stay off the model.
+        if self.handle is not None and self.stash is not None:
+            self.stash.put_back()
             self.handle.close()
+
+    def problems(self) -> list[str]:
+        """A watcher that stopped watching would be timed doing nothing: such figures are worthless."""
+        found = []
+        if self.handle is not None:
+            watcher = self.handle.watcher
+            if watcher.disabled_reason is not None:
+                found.append(f"{self.name}: nanwatch stopped watching: {watcher.disabled_reason}")
+            if watcher.batch_number == 0 and watcher.eval_batch_number == 0:
+                found.append(f"{self.name}: nanwatch counted no batch")
+        if self.hf is not None and (self.hf.detected_overflow or self.hf.batch_number == 0):
+            found.append(f"{self.name}: transformers' DebugUnderflowOverflow saw inf/nan or no batch")
+        return found
+
+    def cost(self, mode: str) -> float:
+        """Seconds per step: the mean over the positions of the period of the median at each position."""
+        by_position: dict[int, list[float]] = {}
+        for index, seconds in self.times[mode]:
+            by_position.setdefault(index % self.period, []).append(seconds)
+        return statistics.fmean(statistics.median(values) for values in by_position.values())
+
+
+class Bench:
+    """The shared model, optimizer and batch; times one step of a variant with only its hooks on the model."""
+
+    def __init__(self, model: torch.nn.Module, input_ids: torch.Tensor, device: torch.device) -> None:
+        self.model = model
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+        self.input_ids = input_ids
+        self.device = device
+        self.losses: list[float] = []
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def step(self, variant: Variant, mode: str) -> float:
+        if variant.stash is not None:
+            variant.stash.put_back()
+        try:
+            self._sync()
+            start = time.perf_counter()
+            if mode == "train":
+                self._train_step(variant)
+            else:
+                self._infer_step()
+            self._sync()
+            seconds = time.perf_counter() - start
+        finally:
+            if variant.stash is not None:
+                variant.stash.take_off()
+        variant.steps_taken[mode] += 1
+        return seconds
+
+    def _train_step(self, variant: Variant) -> None:
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self.model(self.input_ids, labels=self.input_ids).loss
+        loss.backward()
+        self.optimizer.step()
+        if variant.handle is not None:
+            variant.handle.step()
+        self.losses.append(loss.detach())
+
+    def _infer_step(self) -> None:
+        self.model.eval()
+        with torch.no_grad():
+            self.model(self.input_ids)
 
 
 class ForeignLoad:
-    """CPU time other processes used while a round ran, in cores (Linux: /proc/stat; elsewhere unknown, so 0).
-
-    On a shared machine another process waking up steals a core from torch's two threads, and a step can take twice
-    as long; a round during which that happened says nothing about nanwatch, so it is run again.
-    """
+    """CPU time other processes used during a stretch of time, in cores (Linux /proc/stat; elsewhere: unknown)."""
 
     def __init__(self) -> None:
         self.available = Path("/proc/stat").exists()
-        self._start = (0.0, 0.0, 0.0)
+        self._start = self._now()
 
     def _now(self) -> tuple[float, float, float]:
         own = os.times()
         busy = 0.0
         if self.available:
             with open("/proc/stat") as stat:
-                fields = [int(value) for value in stat.readline().split()[1:9]]
-            user, nice, system, _idle, _iowait, irq, softirq, steal = fields
+                user, nice, system, _idle, _iowait, irq, softirq, steal = (int(v) for v in stat.readline().split()[1:9])
             busy = (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
         return busy, own.user + own.system, time.perf_counter()
-
-    def start(self) -> None:
-        self._start = self._now()
 
     def cores(self) -> float:
         busy, own, wall = self._now()
@@ -162,101 +283,77 @@ class ForeignLoad:
         return max(0.0, foreign) / max(wall - self._start[2], 1e-9)
 
 
-def time_interleaved(
-    contenders: list[Contender],
-    step: Callable[[Contender], Any],
-    repeats: int,
-    warmup: int,
-    max_foreign: float,
-    max_rounds: int,
-) -> tuple[dict[str, list[float]], dict[str, Any]]:
-    """Time `repeats` rounds of one step per contender, rerunning rounds that other processes disturbed."""
-    for contender in contenders:
+def run_mode(bench: Bench, variants: list[Variant], mode: str, rounds: int, warmup: int) -> dict[str, Any]:
+    for variant in variants:
         for _ in range(warmup):
-            step(contender)
-    times: dict[str, list[float]] = {c.variant: [] for c in contenders}
-    contended: dict[str, list[float]] = {c.variant: [] for c in contenders}
+            bench.step(variant, mode)
     load = ForeignLoad()
-    rounds = 0
-    while len(times["none"]) < repeats and rounds < max_rounds:
-        shift = rounds % len(contenders)
-        rounds += 1
-        this_round = {}
-        load.start()
-        for contender in contenders[shift:] + contenders[:shift]:
-            start = time.perf_counter()
-            step(contender)
-            this_round[contender.variant] = time.perf_counter() - start
-        target = times if load.cores() <= max_foreign else contended
-        for variant, seconds in this_round.items():
-            target[variant].append(seconds)
-    quiet = len(times["none"])
-    if quiet < min(5, repeats):  # the machine was never quiet: report every round, and say so
-        for variant, values in contended.items():
-            times[variant].extend(values)
-    info = {
-        "rounds": rounds,
-        "quiet_rounds": quiet,
-        "rounds_used": len(times["none"]),
-        "contended": quiet < min(5, repeats),
-        "foreign_load_measured": load.available,
-    }
-    return times, info
+    for round_index in range(rounds):
+        shift = round_index % len(variants)
+        for variant in variants[shift:] + variants[:shift]:
+            index = variant.steps_taken[mode]
+            variant.times[mode].append((index, bench.step(variant, mode)))
+    none = variants[0].cost(mode)
+    hf = next((v.cost(mode) for v in variants if v.name == "hf"), math.nan)
+    results: dict[str, Any] = {"rounds": rounds, "foreign_load_cores": load.cores(), "variants": {}}
+    for variant in variants:
+        cost = variant.cost(mode)
+        entry = {"cost_s": cost, "ratio_to_none": cost / none, "added_ms": (cost - none) * 1e3}
+        if variant.name not in ("none", "hf") and hf > none:
+            entry["added_over_added_hf"] = (cost - none) / (hf - none)
+        entry["config"] = None if variant.config is None else variant.config.model_dump(mode="json")
+        entry["steps_s"] = [seconds for _index, seconds in variant.times[mode]]
+        results["variants"][variant.name] = entry
+    return results
 
 
-def summarise(times: dict[str, list[float]], target: float) -> dict[str, Any]:
-    median = {variant: statistics.median(values) for variant, values in times.items()}
-    none, watch, hf = median["none"], median["watch"], median["hf"]
-    added_vs_hf = (watch - none) / (hf - none) if hf > none else float("nan")
-    paired = statistics.median(w / n for w, n in zip(times["watch"], times["none"], strict=True))
-    return {
-        "median_s": median,
-        "min_s": {variant: min(values) for variant, values in times.items()},
-        "ratio_watch_none": watch / none,
-        "ratio_hf_none": hf / none,
-        "added_watch_over_added_hf": added_vs_hf,
-        "paired_ratio_watch_none": paired,  # median of per-round ratios: insensitive to slow drifts
-        "target_watch_none": target,
-        "target_added_watch_over_added_hf": TARGETS["added_vs_hf"],
-        "meets_targets": watch / none <= target and added_vs_hf <= TARGETS["added_vs_hf"],
-    }
-
-
-def check_watchers_worked(contenders: list[Contender]) -> list[str]:
-    """Both tools must have watched every step: a disabled watcher would be timed doing nothing."""
-    problems = []
-    for contender in contenders:
-        if contender.handle is not None:
-            watcher = contender.handle.watcher
-            if watcher.disabled_reason is not None:
-                problems.append(f"nanwatch stopped watching: {watcher.disabled_reason}")
-            if watcher.batch_number == 0 and watcher.eval_batch_number == 0:
-                problems.append("nanwatch counted no batch")
-        if contender.hf is not None and (contender.hf.detected_overflow or contender.hf.batch_number == 0):
-            problems.append("transformers' DebugUnderflowOverflow saw inf/nan or no batch")
-    return problems
-
-
-def print_table(results: dict[str, dict[str, Any]]) -> None:
-    print(
-        f"{'step':<8}{'none ms':>9}{'watch ms':>10}{'hf ms':>9}{'watch/none':>12}{'hf/none':>9}"
-        f"{'added w/hf':>12}{'rounds':>9}"
-    )
-    for mode, r in results.items():
-        m = r["median_s"]
+def print_mode(mode: str, results: dict[str, Any], variants: list[Variant], shown_config: dict[str, Any]) -> None:
+    rows = results["variants"]
+    print(f"\n{mode}: {results['rounds']} rounds; ms per step")
+    print(f"{'variant':<22}{'ms':>8}{'x none':>8}{'added ms':>10}{'added/hf':>10}  config")
+    for variant in variants:
+        row = rows[variant.name]
+        added_hf = row.get("added_over_added_hf")
+        config: Any = ""
+        if variant.name in OPTIONS:
+            config = {key: value for key, value in OPTIONS[variant.name][0].items() if key != "report_dir"}
+        elif variant.name == "watch":
+            config = shown_config
         print(
-            f"{mode:<8}{m['none'] * 1e3:>9.1f}{m['watch'] * 1e3:>10.1f}{m['hf'] * 1e3:>9.1f}"
-            f"{r['ratio_watch_none']:>12.3f}{r['ratio_hf_none']:>9.3f}{r['added_watch_over_added_hf']:>12.3f}"
-            f"{r['rounds_used']:>5}/{r['rounds']:<3}"
+            f"{variant.name:<22}{row['cost_s'] * 1e3:>8.1f}{row['ratio_to_none']:>8.3f}{row['added_ms']:>10.1f}"
+            f"{'' if added_hf is None else f'{added_hf:.3f}':>10}  {json.dumps(config) if config else ''}"
         )
-    for mode, r in results.items():
-        if r["contended"]:
-            print(f"warning: {mode}: other processes kept the CPU busy; figures from disturbed rounds")
-        verdict = "met" if r["meets_targets"] else "NOT met"
+    if "watch" in rows:
+        ratio = rows["watch"]["ratio_to_none"]
+        added = rows["watch"].get("added_over_added_hf")
+        verdict = ratio <= TARGETS[mode] and (added is None or added <= TARGETS["added_vs_hf"])
         print(
-            f"targets {mode}: watch/none <= {r['target_watch_none']:.2f}, "
-            f"added(watch)/added(hf) <= {r['target_added_watch_over_added_hf']:.2f}: {verdict}"
+            f"targets {mode}: watch/none <= {TARGETS[mode]:.2f}, "
+            f"added(watch)/added(hf) <= {TARGETS['added_vs_hf']:.2f}: "
+            f"{'met' if verdict else 'NOT met'}"
         )
+    busy = results["foreign_load_cores"]
+    note = " (a busy machine: figures disturbed)" if busy > 0.2 else ""
+    print(f"other processes used {busy:.2f} cores meanwhile{note}")
+
+
+def make_variants(args: argparse.Namespace, mode: str) -> list[Variant]:
+    config: nanwatch.WatchConfig = args.watch_config
+    names: list[Variant] = [Variant("none", None), Variant("watch", config, _period(config))]
+    if not args.no_hf:
+        names.append(Variant("hf", None))
+    if args.each_option:
+        for name, (overrides, modes) in OPTIONS.items():
+            if mode in modes:
+                if "report_dir" in overrides:
+                    overrides = overrides | {"report_dir": config.report_dir or tempfile.mkdtemp(prefix="nanwatch-")}
+                option_config = config.with_overrides(**overrides)
+                names.append(Variant(name, option_config, _period(option_config)))
+    return names
+
+
+def _period(config: nanwatch.WatchConfig) -> int:
+    return math.lcm(config.watch_every_n_batches, config.summary_every_n_batches or 1)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -266,82 +363,76 @@ def main(argv: list[str] | None = None) -> int:
         import transformers
     except ImportError as error:
         raise SystemExit('benchmarks/overhead.py needs transformers: pip install "nanwatch[transformers]"') from error
-
-    base = build_model(args.vocab, args.seq, args.seed)
-    contenders = [Contender(variant, copy.deepcopy(base)) for variant in VARIANTS]
+    device = torch.device(args.device)
+    model = build_model(args.vocab, args.seq, args.seed).to(device)
     generator = torch.Generator().manual_seed(args.seed)
-    input_ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=generator)
-    n_params = sum(p.numel() for p in base.parameters())
-    del base
-
+    input_ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=generator).to(device)
+    bench = Bench(model, input_ids, device)
+    n_params = sum(p.numel() for p in model.parameters())
+    shown_config = {
+        key: value
+        for key, value in args.watch_config.model_dump(mode="json").items()
+        if value != nanwatch.WatchConfig().model_dump(mode="json")[key]
+    }
     print(
         f"GPT-2 shape: 4 layers, width 256, 4 heads, vocab {args.vocab}, {n_params / 1e6:.1f}M parameters; "
-        f"batch {args.batch} x sequence {args.seq}; CPU, {args.threads} threads; torch {torch.__version__}, "
-        f"transformers {transformers.__version__}, nanwatch {nanwatch.__version__}"
+        f"batch {args.batch} x sequence {args.seq}; {device}, {args.threads} threads; torch {torch.__version__}, "
+        f"transformers {transformers.__version__}, nanwatch {nanwatch.__version__}; watch config {shown_config}"
     )
-    results: dict[str, dict[str, Any]] = {}
+    # Summaries, headroom notes and the like go to the nanwatch logger: kept (their cost is part of the figures) but
+    # collected here rather than printed between the tables.
+    logs = io.StringIO()
+    logger = get_logger()  # as nanwatch sets it up (level INFO), before its handler is swapped
+    saved_handlers = logger.handlers[:]
+    logger.handlers = [logging.StreamHandler(logs)]
+    results: dict[str, Any] = {}
+    problems: list[str] = []
+    per_mode: dict[str, list[Variant]] = {}
     try:
-        if "train" in args.modes:
-            losses: dict[str, list[float]] = {c.variant: [] for c in contenders}
-
-            def train(contender: Contender) -> None:
-                losses[contender.variant].append(contender.train_step(input_ids))
-
-            times, info = time_interleaved(
-                contenders,
-                train,
-                args.repeats,
-                args.warmup,
-                args.max_foreign_load,
-                int(args.repeats * args.max_rounds_factor),
-            )
-            results["train"] = summarise(times, TARGETS["train"]) | info
-            results["train"]["final_loss"] = {variant: values[-1] for variant, values in losses.items()}
-        if "infer" in args.modes:
-            times, info = time_interleaved(
-                contenders,
-                lambda c: c.infer_step(input_ids),
-                args.infer_repeats,
-                args.warmup,
-                args.max_foreign_load,
-                int(args.infer_repeats * args.max_rounds_factor),
-            )
-            results["infer"] = summarise(times, TARGETS["infer"]) | info
-        problems = check_watchers_worked(contenders)
+        for mode in args.modes:
+            variants = per_mode[mode] = make_variants(args, mode)
+            for variant in variants:
+                variant.set_up(model, bench.optimizer)
+            try:
+                rounds = args.rounds if mode == "train" else args.infer_rounds
+                results[mode] = run_mode(bench, variants, mode, rounds, args.warmup)
+                problems += [problem for variant in variants for problem in variant.problems()]
+            finally:
+                for variant in variants:
+                    variant.close()
     finally:
-        for contender in contenders:
-            contender.close()
-    if problems:  # the figures would time a watcher that had stopped watching: worthless
+        logger.handlers = saved_handlers
+    if problems:
         raise SystemExit("benchmark invalid: " + "; ".join(problems))
-
-    print_table(results)
+    for mode, mode_results in results.items():
+        print_mode(mode, mode_results, per_mode[mode], shown_config)
+    log_lines = logs.getvalue().splitlines()
+    colon = ":" if log_lines else ""
+    print(f"\nnanwatch logged {len(log_lines)} lines meanwhile (summaries, headroom notes){colon}")
+    for line in log_lines[:3]:
+        print(f"  {line[:150]}")
     payload = {
-        "model": {
-            "kind": "GPT2LMHeadModel",
-            "n_layer": 4,
-            "n_embd": 256,
-            "n_head": 4,
-            "n_positions": args.seq,
-            "vocab_size": args.vocab,
-            "parameters": n_params,
-        },
+        "model": {"kind": "GPT2LMHeadModel", "n_layer": 4, "n_embd": 256, "n_head": 4, "parameters": n_params},
         "batch": args.batch,
         "sequence": args.seq,
+        "vocab": args.vocab,
         "threads": args.threads,
-        "device": "cpu",
-        "repeats": {"train": args.repeats, "infer": args.infer_repeats, "warmup": args.warmup},
+        "device": str(device),
+        "warmup": args.warmup,
         "versions": {
             "python": platform.python_version(),
             "torch": torch.__version__,
             "transformers": transformers.__version__,
             "nanwatch": nanwatch.__version__,
         },
-        "machine": {"platform": platform.platform(), "processor": platform.processor()},
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "targets": TARGETS,
+        "final_loss": float(bench.losses[-1]) if bench.losses else None,
         "results": results,
     }
     args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(payload, indent=2) + "\n")
+    args.output.write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")
     print(f"wrote {args.output}")
     return 0
 

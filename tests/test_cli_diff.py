@@ -158,3 +158,52 @@ def test_bad_input_exits_2_with_a_clear_message(tmp_path: Path, capsys: pytest.C
         main(["diff", f"{trace}:0", f"{trace}:1", "--rtol", "-1"])
     assert exit_info.value.code == 2
     assert "expected a finite number >= 0, got '-1'" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The WatchConfig fields diff applies: --config FILE and the generated options
+
+
+def test_a_config_file_and_options_choose_the_modules_compared(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run_amp_net(tmp_path, overflow_at=2, batches=3)
+    trace = trace_path(tmp_path)
+    a, b = f"{trace}:1", f"{trace}:2"
+    config = tmp_path / "watch.yaml"
+    # Before amp overflows, batches 1 and 2 agree: compared on fc1 and act only, they are equivalent.
+    config.write_text("include_modules: [fc1, act]\nwatch_eval: true\n", encoding="utf-8")
+    status, out, err = _diff([a, b, "--config", str(config)], capsys)
+    assert (status, err) == (0, "")
+    assert out.splitlines()[0] == f"A: {a} (trace of train batch 1, 2 frames, 6 lines, float16)"
+    assert out.splitlines()[-1].startswith("equivalent: 6 lines match within rtol=0.001")
+    # An option beats the file: with every module but amp, the first divergence is fc2's input, past amp.
+    status, out, _ = _diff([a, b, "--config", str(config), "--include-modules", "--exclude-modules", "amp"], capsys)
+    assert status == 1
+    assert "first divergence at line 9 of 12: 'fc2' (Linear) input[0]: abs max " in out
+    assert "'amp'" not in out
+    # No config: every module, and amp first (as in the test above).
+    status, out, _ = _diff([a, b], capsys)
+    assert "first divergence at line 8 of 14: 'amp' (Amplify) output" in out
+
+
+def test_diff_rejects_a_typo_in_the_config_and_says_what_it_does_not_use(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run_amp_net(tmp_path, overflow_at=None, batches=2)
+    trace = trace_path(tmp_path)
+    config = tmp_path / "watch.json"
+    config.write_text('{"include_module": ["fc1"]}', encoding="utf-8")
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        main(["diff", f"{trace}:0", f"{trace}:1", "--config", str(config)])
+    assert exit_info.value.code == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert f"config file {str(config)!r}: unknown field 'include_module' (did you mean 'include_modules'?" in err
+    status, out, err = _diff([f"{trace}:0", f"{trace}:1", "--include-modules", "fc9"], capsys)
+    assert (status, out) == (2, "")
+    assert "include_modules: the pattern 'fc9' matches none of the 5 modules in" in err
+    status, _, err = _diff([f"{trace}:0", f"{trace}:1", "--max-frames-to-save", "3"], capsys)
+    assert status == 0
+    assert err == "nanwatch diff: note: --max-frames-to-save is not used by diff (see nanwatch diff --help)\n"

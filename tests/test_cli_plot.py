@@ -14,12 +14,22 @@ from torch import nn
 import nanwatch
 from nanwatch.cli import main
 from nanwatch.core.jsonl import read_blocks
-from nanwatch.plot import INF_COLOUR, MISSING_COLOUR, NAN_COLOUR, ROOT_LABEL, build_heatmap, draw_heatmap, figure_size
+from nanwatch.plot import (
+    HEADROOM_COLOUR,
+    INF_COLOUR,
+    MISSING_COLOUR,
+    NAN_COLOUR,
+    ROOT_LABEL,
+    build_heatmap,
+    draw_heatmap,
+    figure_size,
+)
+from nanwatch.show import restrict
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
-from tests.trace_models import Inject, run_amp_net, trace_path  # noqa: E402
+from tests.trace_models import SEED, Inject, build_amp_net, run_amp_net, trace_path  # noqa: E402
 
 image = pytest.importorskip("matplotlib.image")
 
@@ -181,3 +191,119 @@ def test_bad_input_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     assert "is not JSON" in capsys.readouterr().err
     assert main(["plot", str(trace_path(tmp_path)), "-o", str(tmp_path / "no" / "such" / "dir.png")]) == 2
     assert "cannot write" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The WatchConfig fields plot applies: --config FILE and the generated options
+
+
+def _float32_trace_near_float16_max(report_dir: Path) -> Path:
+    """float32 AmpNet; amp multiplies by 1, 2e4 and 1e5 in batches 0, 1, 2: below, near and above float16's max."""
+    model = build_amp_net(torch.float32)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(SEED))
+    with nanwatch.watch(model, trace_batch_nums=[0, 1, 2], report_dir=report_dir) as handle:
+        for factor in (1.0, 2e4, 1e5):
+            model.amp.factor = factor
+            model(x)
+            handle.step()
+    return trace_path(report_dir)
+
+
+def _near(colours: set[str], target: str, tolerance: int = 40) -> bool:
+    """Whether any of `colours` is within `tolerance` of `target` in every channel (a thin line is antialiased)."""
+    wanted = [int(target[i : i + 2], 16) for i in (1, 3, 5)]
+    return any(
+        all(abs(int(colour[i : i + 2], 16) - w) <= tolerance for i, w in zip((1, 3, 5), wanted, strict=True))
+        for colour in colours
+    )
+
+
+def _edges(png: Path, rows: int, columns: int, cells: tuple[float, float, float, float]) -> list[list[set[str]]]:
+    """The colours found a few pixels around where each cell's outline would run (0.08 of a cell inside its left
+    edge), so antialiasing of a 1.5-point line does not decide the test."""
+    left, top, width, height = cells
+    return [
+        [
+            {
+                _pixel(png, left + (c + 0.08) * width / columns + dx, top + (r + 0.5) * height / rows)
+                for dx in range(-2, 3)
+            }
+            for c in range(columns)
+        ]
+        for r in range(rows)
+    ]
+
+
+def test_a_config_file_and_options_choose_rows_the_marked_dtype_and_headroom(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = _float32_trace_near_float16_max(tmp_path / "run")
+    config = tmp_path / "watch.yaml"
+    config.write_text(
+        "target_dtype: float16\nheadroom_warn_fraction: 0.125\nexclude_modules: [act]\nwatch_eval: true\n",
+        encoding="utf-8",
+    )
+    png = tmp_path / "from-file.png"
+    capsys.readouterr()
+    assert main(["plot", str(trace), "-o", str(png), "--config", str(config), "--dpi", "80"]) == 0
+    out, err = capsys.readouterr()
+    assert (out, err) == (f"wrote {png} ({out.split('(')[1].split(' ')[0]} pixels, 4 modules, 3 batches)\n", "")
+
+    # The same picture, drawn directly: rows without act, float16's max marked, its eighth as the headroom.
+    heatmap = build_heatmap([restrict(b, {"fc1", "amp", "fc2", ""}) for b in read_blocks(str(trace))])
+    assert heatmap.rows == ["fc1", "amp", "fc2", ROOT_LABEL]
+    result = draw_heatmap(heatmap, tmp_path / "direct.png", dtype="float16", dpi=80, headroom_fraction=0.125)
+    assert result.dtype == "float16"
+    assert result.headroom == 65504 * 0.125
+    assert f"({result.width}x{result.height} pixels" in out
+    values = [[value or 0.0 for value in row] for row in heatmap.cells]
+    near = [v for row in values for v in row if 65504 * 0.125 <= v <= 65504]
+    above = [v for row in values for v in row if v > 65504]
+    assert near  # batch 1 lands between float16's max / 8 and its max, batch 2 above it
+    assert above
+    edges = _edges(png, 4, 3, result.cells)
+    for r, row in enumerate(values):
+        for c, value in enumerate(row):
+            expected = INF_COLOUR if value > 65504 else HEADROOM_COLOUR if value >= 65504 * 0.125 else None
+            found = {target for target in (INF_COLOUR, HEADROOM_COLOUR) if _near(edges[r][c], target)}
+            assert found == ({expected} if expected else set()), (heatmap.rows[r], c, value)
+
+    # Options beat the file: headroom off, and every module back.
+    png_line = tmp_path / "from-line.png"
+    argv = ["plot", str(trace), "-o", str(png_line), "--config", str(config), "--dpi", "80"]
+    assert main([*argv, "--headroom-warn-fraction", "0", "--exclude-modules"]) == 0
+    assert "5 modules, 3 batches" in capsys.readouterr().out
+    full = build_heatmap(read_blocks(str(trace)))
+    plain = draw_heatmap(full, tmp_path / "plain.png", dtype="float16", dpi=80)
+    flat = [value or 0.0 for row in full.cells for value in row]
+    edges = _edges(png_line, 5, 3, plain.cells)
+    assert [_near(e, INF_COLOUR) for row in edges for e in row] == [v > 65504 for v in flat]
+    assert not any(_near(e, HEADROOM_COLOUR) for row in edges for e in row)
+
+    # No config: float32's max is marked (nothing outlined), as before.
+    assert main(["plot", str(trace), "-o", str(tmp_path / "none.png"), "--dpi", "80"]) == 0
+    capsys.readouterr()
+    edges = _edges(tmp_path / "none.png", 5, 3, plain.cells)
+    assert not any(_near(e, INF_COLOUR) or _near(e, HEADROOM_COLOUR) for row in edges for e in row)
+
+
+def test_plot_rejects_a_typo_in_the_config_and_conflicting_dtypes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run_amp_net(tmp_path, overflow_at=None, batches=1)
+    config = tmp_path / "watch.yaml"
+    config.write_text("target_dtyp: float16\n", encoding="utf-8")
+    png = tmp_path / "x.png"
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plot", str(trace_path(tmp_path)), "-o", str(png), "--config", str(config)])
+    assert exit_info.value.code == 2
+    assert "unknown field 'target_dtyp' (did you mean 'target_dtype'?" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["plot", str(trace_path(tmp_path)), "-o", str(png), "--dtype", "bfloat16", "--target-dtype", "float16"])
+    assert "--dtype marks that dtype's max, --target-dtype the tightest of it and FILE's: give one" in (
+        capsys.readouterr().err
+    )
+    assert main(["plot", str(trace_path(tmp_path)), "-o", str(png), "--include-modules", "nothing.*"]) == 2
+    assert "include_modules: the pattern 'nothing.*' matches none of the 5 modules" in capsys.readouterr().err
+    assert not png.exists()

@@ -3,16 +3,18 @@ that never arrives, which must be named, with a non-zero exit, within a bounded 
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
-from nanwatch.cli import main
-from nanwatch.doctor import SIMULATE_ABSENT_RANK_ENV, _compact, find_free_port, torchrun_command
+from nanwatch.cli import build_parser, main
+from nanwatch.doctor import SIMULATE_ABSENT_RANK_ENV, SUMMARY_STEM, _compact, find_free_port, torchrun_command
 
 pytestmark = pytest.mark.multiprocess
 
@@ -48,15 +50,33 @@ def _assert_all_ok(result: subprocess.CompletedProcess[str], world: int) -> None
 
 
 @pytest.mark.timeout(BOUND_S + 30)  # in-process: the launcher's own bound on torchrun is longer than this test's
-def test_doctor_launches_torchrun_itself(capfd: pytest.CaptureFixture[str]) -> None:
+def test_doctor_launches_torchrun_itself(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     # `nanwatch doctor --nproc 2`, run through the same entry point as the console script; torchrun and both ranks
-    # are real processes writing to this process's stdout and stderr.
+    # are real processes writing to this process's stdout and stderr. The config file's report_dir is overridden on
+    # the line (file < options): the ranks check that directory and rank 0 writes the summary there.
+    config = tmp_path / "watch.yaml"
+    config.write_text(f"report_dir: {tmp_path / 'from-file'}\nmax_frames_to_save: 50\n", encoding="utf-8")
+    reports = tmp_path / "from-line" / "doctor"  # created by the check, as a watched run would
+    stale = tmp_path / "from-line" / "doctor" / f"{SUMMARY_STEM}-rank0.json"
+    stale.parent.mkdir(parents=True)
+    stale.write_text('{"ok": false}', encoding="utf-8")  # from an earlier, failed check: must not survive this one
     start = time.monotonic()
-    status = main(["doctor", "--nproc", "2", "--master-port", str(find_free_port()), "--timeout", "30"])
+    argv = ["doctor", "--nproc", "2", "--master-port", str(find_free_port()), "--timeout", "30"]
+    status = main([*argv, "--config", str(config), "--report-dir", str(reports)])
     stdout, stderr = capfd.readouterr()
     assert time.monotonic() - start < BOUND_S
     _assert_all_ok(subprocess.CompletedProcess([], status, stdout, stderr), world=2)
     assert "-m torch.distributed.run --nproc_per_node=2" in stderr  # the command it ran is shown
+    assert f"-m nanwatch doctor --timeout 30 --backend auto --alloc-mb 64 --report-dir {reports}" in stderr
+    assert not (tmp_path / "from-file").exists()
+    assert sorted(path.name for path in reports.iterdir()) == [f"{SUMMARY_STEM}.json", f"{SUMMARY_STEM}.txt"]
+    summary = (reports / f"{SUMMARY_STEM}.txt").read_text()
+    assert summary.startswith("nanwatch doctor: all 2 ranks OK on 1 host (backend gloo")
+    assert summary in stdout  # the file holds what rank 0 printed
+    data = json.loads((reports / f"{SUMMARY_STEM}.json").read_text())
+    assert (data["ok"], data["world_size"], data["backend"]) == (True, 2, "gloo")
+    assert [rank["rank"] for rank in data["ranks"]] == [0, 1]
+    assert all(rank["all_reduce_ms"] > 0 for rank in data["ranks"])
 
 
 def test_doctor_under_torchrun_with_debug() -> None:
@@ -68,15 +88,59 @@ def test_doctor_under_torchrun_with_debug() -> None:
     assert "Running collective: CollectiveFingerPrint" in result.stderr
 
 
-def test_a_rank_that_never_starts_is_named() -> None:
+def test_a_rank_that_never_starts_is_named(tmp_path: Path) -> None:
     # One real process told that the world has two: rank 1 is never started, so it never reaches the rendezvous.
+    # The config file's report_dir keeps the diagnosis on disk.
     env = _clean_env(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
     env["MASTER_PORT"] = str(find_free_port())
-    result, elapsed = _run([sys.executable, "-m", "nanwatch", "doctor", "--timeout", "2"], env)
+    config = tmp_path / "watch.json"
+    config.write_text(json.dumps({"report_dir": str(tmp_path / "reports")}), encoding="utf-8")
+    command = [sys.executable, "-m", "nanwatch", "doctor", "--timeout", "2", "--config", str(config)]
+    result, elapsed = _run(command, env)
     assert result.returncode == 1, result.stdout + result.stderr
     assert ":0/2] FAIL (rendezvous): rank 1 never arrived within 2 s (1 of 2 arrived: rank 0 on" in result.stderr
     assert "OK" not in result.stdout
     assert elapsed < 2 + 30
+    failure = json.loads((tmp_path / "reports" / f"{SUMMARY_STEM}-rank0.json").read_text())
+    assert (failure["ok"], failure["rank"], failure["world_size"]) == (False, 0, 2)
+    assert failure["diagnosis"].startswith("(rendezvous): rank 1 never arrived within 2 s")
+    text = (tmp_path / "reports" / f"{SUMMARY_STEM}-rank0.txt").read_text()
+    assert text.strip() in result.stderr  # the file holds the FAIL line the rank printed
+    assert not (tmp_path / "reports" / f"{SUMMARY_STEM}.json").exists()  # no summary: the check did not pass
+
+
+def test_a_report_dir_a_rank_cannot_write_fails_the_check(tmp_path: Path) -> None:
+    # A world of one, no torchrun: the rank serves its own rendezvous, passes every stage, then cannot create
+    # report_dir (a file stands where its parent should be), so a watched run would lose its reports there.
+    (tmp_path / "a-file").write_text("", encoding="utf-8")
+    env = _clean_env(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+    env["MASTER_PORT"] = str(find_free_port())
+    report_dir = tmp_path / "a-file" / "x"
+    command = [sys.executable, "-m", "nanwatch", "doctor", "--timeout", "10", "--report-dir", str(report_dir)]
+    result, _ = _run(command, env)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert f":0/1] FAIL (report_dir): cannot write to report_dir {str(report_dir)!r}: " in result.stderr
+    assert "a watched run with this config would lose its reports on this rank" in result.stderr
+    assert not OK_LINE.search(result.stdout)
+
+
+def test_a_typo_in_the_config_file_stops_doctor_before_anything_starts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = tmp_path / "watch.yaml"
+    config.write_text("report_dirr: /tmp/x\n", encoding="utf-8")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["doctor", "--nproc", "2", "--config", str(config)])
+    assert exit_info.value.code == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert "unknown field 'report_dirr' (did you mean 'report_dir'?" in err
+    assert "running" not in err  # torchrun was never started
+    help_text = " ".join(build_parser().parse_args(["doctor"]).parser.format_help().split())
+    assert "WatchConfig fields used by doctor" in help_text
+    assert "report_dir: every rank checks that it can create and write this directory" in help_text
+    assert "Accepted but unused by doctor, so that a config file shared with training runs loads: " in help_text
+    assert "(default: 21) (unused here)" in help_text
 
 
 def test_a_rank_that_joins_but_never_reaches_the_barrier_is_named() -> None:

@@ -12,6 +12,11 @@ every command line without touching this module:
     --trace-ranks all | 0 2        "zero" | "all" | list[int]
 
 Precedence: `WatchConfig` defaults < the command's own defaults < `--config FILE` < options given on the line.
+
+The tools that read what a run wrote (`nanwatch show`, `diff`, `plot`, `doctor`) take the same options, so the config
+file of the training runs drives them too. Each uses a few fields; `add_config_arguments(parser, used=...)` marks the
+others as unused in `--help`, `fields_epilog` lists both, and `tool_config` says which fields were given at all, so a
+tool applies a field only when it was set (a file's `max_frames_to_save: 50`, not the default 21).
 """
 
 from __future__ import annotations
@@ -19,8 +24,10 @@ from __future__ import annotations
 import argparse
 import difflib
 import json
+import re
+import textwrap
 import types
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin
@@ -31,7 +38,17 @@ from pydantic.fields import FieldInfo
 
 from nanwatch.core.config import ConfigError, WatchConfig
 
-__all__ = ["ConfigOption", "add_config_arguments", "config_from_args", "config_options", "parse_dict"]
+__all__ = [
+    "ConfigOption",
+    "ToolConfig",
+    "ToolHelpFormatter",
+    "add_config_arguments",
+    "config_from_args",
+    "config_options",
+    "fields_epilog",
+    "parse_dict",
+    "tool_config",
+]
 
 # Parsed values live under these attribute names, apart from the command's own options.
 _DEST_PREFIX = "watch_config."
@@ -59,7 +76,10 @@ def config_options() -> list[ConfigOption]:
 
 
 def add_config_arguments(
-    parser: argparse.ArgumentParser, *, defaults: Mapping[str, Any] | WatchConfig | None = None
+    parser: argparse.ArgumentParser,
+    *,
+    defaults: Mapping[str, Any] | WatchConfig | None = None,
+    used: Collection[str] | None = None,
 ) -> argparse.ArgumentParser:
     """Add `--config FILE` and one option per `WatchConfig` field to `parser`, in their own argument group.
 
@@ -67,18 +87,26 @@ def add_config_arguments(
         parser: the command's parser (or subparser).
         defaults: the command's own defaults for some fields (e.g. fewer frames for a demo); they sit between
             `WatchConfig`'s defaults and the config file, and `--help` shows them.
+        used: for a command that uses only some fields (a tool reading a run's files): those fields. The others
+            stay accepted, so a config file shared with training runs loads, and their help says they are unused.
 
     Returns:
         The same parser, for chaining.
 
     Raises:
         ConfigError: `defaults` names an unknown field or holds a bad value.
+        ValueError: `used` names a field `WatchConfig` does not have.
     """
     base = _as_config(defaults, source="command defaults")
-    group = parser.add_argument_group(
-        "watch config",
-        "Any WatchConfig field; precedence: defaults < --config FILE < these options.",
-    )
+    if used is not None:
+        _check_fields(used)
+    description = "Any WatchConfig field; precedence: defaults < --config FILE < these options."
+    if used is not None:
+        description = (
+            "Any WatchConfig field, so one config file serves training runs and this command; precedence: defaults "
+            "< --config FILE < these options. Options marked (unused here) are accepted and have no effect."
+        )
+    group = parser.add_argument_group("watch config", description)
     group.add_argument(
         "--config",
         dest=_FILE_DEST,
@@ -90,7 +118,8 @@ def add_config_arguments(
     for option in config_options():
         kwargs = dict(option.kwargs)
         shown = getattr(base, option.field)
-        kwargs["help"] = f"{kwargs['help']} (default: {_show(shown)})"
+        unused = " (unused here)" if used is not None and option.field not in used else ""
+        kwargs["help"] = f"{kwargs['help']} (default: {_show(shown)}){unused}"
         group.add_argument(option.flag, **kwargs)
     if defaults is not None:
         parser.set_defaults(**{_DEFAULTS_DEST: base})
@@ -142,10 +171,85 @@ def parse_dict(data: Mapping[str, Any], allow_extra_keys: bool = False, *, sourc
     return WatchConfig.from_dict(dict(data), source=source)
 
 
+@dataclass(frozen=True)
+class ToolConfig:
+    """A command's config, and which fields the config file and the command line set.
+
+    Attributes:
+        config: the merged config (defaults < file < options).
+        from_file: fields the `--config` file holds.
+        from_line: fields given as options.
+    """
+
+    config: WatchConfig
+    from_file: frozenset[str]
+    from_line: frozenset[str]
+
+    @property
+    def given(self) -> frozenset[str]:
+        """Fields set by the file or the line: the ones a tool applies (a default changes nothing it shows)."""
+        return self.from_file | self.from_line
+
+    def unused_options(self, used: Collection[str]) -> list[str]:
+        """The options given on the line that the command does not use, as flags (`--watch-eval`), in field order."""
+        return [_flag(name) for name in WatchConfig.model_fields if name in self.from_line and name not in used]
+
+
+def tool_config(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None) -> ToolConfig:
+    """Like `config_from_args`, and also say which fields the file and the line set.
+
+    Raises:
+        ConfigError: as `config_from_args` (only when `parser` is None; else the command ends with exit status 2).
+    """
+    try:
+        return _resolve(args)
+    except ConfigError as error:
+        if parser is None:
+            raise
+        parser.error(str(error))
+
+
+def fields_epilog(command: str, used: Mapping[str, str]) -> str:
+    """The `--help` epilog of a command that uses only some fields: what each used field does there, and the rest.
+
+    Args:
+        command: the command's name, as the text calls it.
+        used: each field the command uses, to what it does in this command.
+
+    Raises:
+        ValueError: `used` names a field `WatchConfig` does not have.
+    """
+    _check_fields(used)
+    lines = [f"WatchConfig fields used by {command} (from --config FILE or their options; unset, they change nothing):"]
+    lines.extend(f"  {name}: {what}" for name, what in used.items())
+    rest = [name for name in WatchConfig.model_fields if name not in used]
+    lines.append(
+        f"Accepted but unused by {command}, so that a config file shared with training runs loads: {', '.join(rest)}."
+    )
+    return "\n".join(lines)
+
+
+class ToolHelpFormatter(argparse.HelpFormatter):
+    """Wraps each line of a description or epilog on its own, so a list of fields stays a list; an indented line
+    keeps its indent and wraps under its own text."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        filled = []
+        for line in text.splitlines():
+            lead = indent + line[: len(line) - len(line.lstrip())]
+            body = re.sub(r"\s+", " ", line).strip()
+            filled.append(textwrap.fill(body, width, initial_indent=lead, subsequent_indent=lead + "  ") or lead)
+        return "\n".join(filled)
+
+
 # --------------------------------------------------------------------------------------------------------------------
 
 
 def _config_from_args(args: argparse.Namespace) -> WatchConfig:
+    return _resolve(args).config
+
+
+def _resolve(args: argparse.Namespace) -> ToolConfig:
     namespace = vars(args)
     base: WatchConfig = namespace.get(_DEFAULTS_DEST) or WatchConfig()
     path = namespace.get(_FILE_DEST)
@@ -154,9 +258,16 @@ def _config_from_args(args: argparse.Namespace) -> WatchConfig:
     # One validation of the merged values, so that a rule across fields (capture_on_detect needs report_dir) may be
     # met by the file and the line together.
     try:
-        return WatchConfig.model_validate({**base.model_dump(), **from_file, **given})
+        config = WatchConfig.model_validate({**base.model_dump(), **from_file, **given})
     except ValidationError as error:
         raise ConfigError(_explain(error, given, f"config file {str(path)!r}")) from None
+    return ToolConfig(config, frozenset(from_file), frozenset(given))
+
+
+def _check_fields(names: Collection[str]) -> None:
+    unknown = sorted(set(names) - set(WatchConfig.model_fields))
+    if unknown:
+        raise ValueError(f"not WatchConfig fields: {', '.join(unknown)} (known: {', '.join(WatchConfig.model_fields)})")
 
 
 def _read_mapping(path: Path) -> dict[str, Any]:

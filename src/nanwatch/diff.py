@@ -10,6 +10,9 @@ same run, or a bfloat16 run with a float32 run of the same model. Two matched li
 - a line has no partner in the other file (the two ran different modules or returned different outputs).
 
 The first divergence is the first such line in A's order (lines only in B are placed where B has them).
+
+With a config (`--config FILE` or the options generated from `WatchConfig`), `include_modules` / `exclude_modules`
+choose the modules compared, matched against the module names of A and B together.
 """
 
 from __future__ import annotations
@@ -21,15 +24,25 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from nanwatch.cli_config import ToolHelpFormatter, add_config_arguments, fields_epilog, tool_config
+from nanwatch.core.config import ConfigError
 from nanwatch.core.jsonl import Block, JsonlError, LineRecord, parse_source, read_blocks
+from nanwatch.show import chosen_modules, restrict
 
-__all__ = ["register", "Row", "DiffResult", "compare", "diff_text", "load_block"]
+__all__ = ["register", "Row", "DiffResult", "compare", "diff_text", "load_block", "run_diff", "USED_FIELDS"]
 
 Key = tuple[str, int, str]  # (module, call index of that module within the block, label)
 
 _GAP = "   "
 _SIDE_WIDTH = 17  # "1.23e-04 5.67e+01": the two numbers of a text-report line
 _LABEL_COLUMN = 2 + _SIDE_WIDTH + len(_GAP) + _SIDE_WIDTH + 2
+
+# The WatchConfig fields `nanwatch diff` applies, and what each does here (printed by --help).
+USED_FIELDS = {
+    "include_modules": "only the lines of modules matching one of these globs are compared (as when watching: `*` "
+    "crosses dots, the root is ''); a pattern that matches no module of A or B is an error",
+    "exclude_modules": "the lines of modules matching one of these globs are not compared",
+}
 
 
 @dataclass(frozen=True)
@@ -281,10 +294,37 @@ def _context(text: str) -> int:
     return value
 
 
-def run_diff(a_spec: str, b_spec: str, *, rtol: float, atol: float, context: int) -> tuple[int, str, list[str]]:
-    """Compare two specs; return (exit status, report text, notes for stderr)."""
+def run_diff(
+    a_spec: str,
+    b_spec: str,
+    *,
+    rtol: float,
+    atol: float,
+    context: int,
+    include: Sequence[str] = (),
+    exclude: Sequence[str] = (),
+) -> tuple[int, str, list[str]]:
+    """Compare two specs; return (exit status, report text, notes for stderr).
+
+    Args:
+        a_spec: `FILE[:BATCH]` of A.
+        b_spec: `FILE[:BATCH]` of B.
+        rtol: relative tolerance on abs max.
+        atol: absolute tolerance on abs max.
+        context: lines shown on each side of the first divergence.
+        include: glob patterns of the modules compared (empty: every module).
+        exclude: glob patterns of modules left out of the comparison.
+
+    Raises:
+        JsonlError: a spec does not name one report or traced batch of a nanwatch JSON Lines file.
+        ConfigError: a module pattern matches no module of A or B, or the patterns leave none.
+    """
     a, a_note = load_block(a_spec)
     b, b_note = load_block(b_spec)
+    if include or exclude:
+        names = [record.module for block in (a, b) for record in block.records]
+        modules = chosen_modules(names, include, exclude, source=f"{a_spec} and {b_spec}")
+        a, b = restrict(a, modules), restrict(b, modules)
     result = compare(a, b, rtol=rtol, atol=atol)
     text = diff_text(result, a_name=a_spec, b_name=b_spec, a=a, b=b, context=context)
     notes: Sequence[str | None] = (a_note, b_note)
@@ -292,9 +332,20 @@ def run_diff(a_spec: str, b_spec: str, *, rtol: float, atol: float, context: int
 
 
 def _run(args: argparse.Namespace) -> int:
+    settings = tool_config(args, args.parser)
+    for flag in settings.unused_options(USED_FIELDS):
+        print(f"nanwatch diff: note: {flag} is not used by diff (see nanwatch diff --help)", file=sys.stderr)
     try:
-        status, text, notes = run_diff(args.a, args.b, rtol=args.rtol, atol=args.atol, context=args.context)
-    except JsonlError as error:
+        status, text, notes = run_diff(
+            args.a,
+            args.b,
+            rtol=args.rtol,
+            atol=args.atol,
+            context=args.context,
+            include=settings.config.include_modules,
+            exclude=settings.config.exclude_modules,
+        )
+    except (JsonlError, ConfigError) as error:
         print(f"nanwatch diff: error: {error}", file=sys.stderr)
         return 2
     for note in notes:
@@ -313,6 +364,8 @@ def register(subparsers: Any) -> None:
             "line where they diverge: one abs max non-finite and the other not, or the two further apart than "
             "atol + rtol * max(|a|, |b|). Exit status: 0 when equivalent, 1 when they diverge, 2 on bad input."
         ),
+        epilog=fields_epilog("diff", USED_FIELDS),
+        formatter_class=ToolHelpFormatter,
     )
     parser.add_argument("a", metavar="A", help="FILE[:BATCH]: a .jsonl trace or report written by nanwatch")
     parser.add_argument("b", metavar="B", help="FILE[:BATCH]: the one to compare with A")
@@ -323,4 +376,5 @@ def register(subparsers: Any) -> None:
     parser.add_argument(
         "--context", type=_context, default=3, help="lines shown on each side of the first divergence (default: 3)"
     )
-    parser.set_defaults(func=_run)
+    add_config_arguments(parser, used=USED_FIELDS)
+    parser.set_defaults(func=_run, parser=parser)

@@ -8,6 +8,11 @@ prints one line `[host:rank/world] OK (backend, device, all_reduce ms)`; rank ze
 Nothing waits forever: every stage has the `--timeout`, a rank that never arrives is named (from the rendezvous
 store before the process group exists, by `monitored_barrier` on a gloo group after), and a watchdog ends a rank
 that is stuck anywhere else with a line saying where it was stuck.
+
+With a config (`--config FILE` or the options generated from `WatchConfig`) that sets `report_dir`, every rank also
+checks that it can write there, as a watched run with that config will, and the result is kept on disk: rank zero
+writes the summary to `nanwatch-doctor.txt` / `.json`, and a failing rank its diagnosis to
+`nanwatch-doctor-rank{R}.txt` / `.json` (each file written whole, or not at all).
 """
 
 from __future__ import annotations
@@ -25,16 +30,18 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["register", "find_free_port", "torchrun_command"]
+from nanwatch.cli_config import ToolHelpFormatter, add_config_arguments, fields_epilog, tool_config
+
+__all__ = ["register", "find_free_port", "torchrun_command", "USED_FIELDS", "SUMMARY_STEM"]
 
 DEFAULT_TIMEOUT_S = 60.0
 
@@ -48,6 +55,15 @@ _DEBUG_ENV = {"NCCL_DEBUG": "INFO", "TORCH_DISTRIBUTED_DEBUG": "DETAIL", "TORCH_
 # A stage may overrun its own timeout by this much (process start-up, slow first CUDA call) before the watchdog ends it.
 _WATCHDOG_GRACE_S = 15.0
 _ALL_REDUCE_NUMEL = 1 << 20  # float32 elements: 4 MiB, big enough to exercise the transport, small enough for a CPU
+# In report_dir: rank zero's summary, and each failing rank's diagnosis (`{SUMMARY_STEM}-rank{R}`), as .txt and .json.
+SUMMARY_STEM = "nanwatch-doctor"
+
+# The WatchConfig fields `nanwatch doctor` applies, and what each does here (printed by --help).
+USED_FIELDS = {
+    "report_dir": f"every rank checks that it can create and write this directory, as a watched run with this "
+    f"config will (a rank that cannot fails, named); rank 0 writes the summary there as {SUMMARY_STEM}.txt and "
+    f".json, and a failing rank its diagnosis as {SUMMARY_STEM}-rank{{R}}.txt and .json",
+}
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -59,8 +75,10 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
             "Distributed health check. Under torchrun (torchrun --nproc_per_node N -m nanwatch doctor) every rank "
             "joins the process group, passes a barrier, checks an all_reduce and allocates memory on its device. "
             "Outside torchrun, `nanwatch doctor --nproc N` starts torchrun itself. Exit status 0 when every rank is "
-            "OK, 1 when a check failed or a rank never arrived (named on stderr)."
+            "OK, 1 when a check failed or a rank never arrived (named on stderr), 2 on bad input."
         ),
+        epilog=fields_epilog("doctor", USED_FIELDS),
+        formatter_class=ToolHelpFormatter,
     )
     launch = parser.add_argument_group("launching (ignored when already started by torchrun)")
     launch.add_argument(
@@ -113,10 +131,17 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         action="store_true",
         help="run with NCCL_DEBUG=INFO and TORCH_DISTRIBUTED_DEBUG=DETAIL (and TORCH_CPP_LOG_LEVEL=INFO)",
     )
-    parser.set_defaults(func=_handle)
+    add_config_arguments(parser, used=USED_FIELDS)
+    parser.set_defaults(func=_handle, parser=parser)
 
 
 def _handle(args: argparse.Namespace) -> int:
+    # Read before anything starts: a bad config file ends the command (exit 2) with no process launched.
+    settings = tool_config(args, args.parser)
+    args.report_dir = settings.config.report_dir
+    if os.environ.get("RANK", "0") == "0":  # once, not once per rank
+        for flag in settings.unused_options(USED_FIELDS):
+            _err(f"nanwatch doctor: note: {flag} is not used by doctor (see nanwatch doctor --help)")
     if _started_by_launcher(os.environ):
         if args.nproc is not None:
             _err("nanwatch doctor: --nproc is ignored: this process was already started by a launcher (RANK is set)")
@@ -230,6 +255,9 @@ def _launch(args: argparse.Namespace) -> int:
 def _rank_args(args: argparse.Namespace) -> list[str]:
     """The options each rank runs with: everything but the launcher's own."""
     rank_args = ["--timeout", f"{args.timeout:g}", "--backend", args.backend, "--alloc-mb", f"{args.alloc_mb:g}"]
+    # The config was read here already: each rank gets the fields doctor uses, not the file.
+    if args.report_dir is not None:
+        rank_args += ["--report-dir", str(args.report_dir)]
     return [*rank_args, "--debug"] if args.debug else rank_args
 
 
@@ -323,9 +351,10 @@ def _read_rank_env() -> _RankEnv:
 class _Watchdog:
     """Ends this process with a diagnosis when one stage overruns its budget, whatever it is blocked in."""
 
-    def __init__(self, who: str, budget_s: float) -> None:
+    def __init__(self, who: str, budget_s: float, on_stuck: Callable[[str], None] | None = None) -> None:
         self._who = who
         self._budget_s = budget_s
+        self._on_stuck = on_stuck
         self._stage = "start-up"
         self._since = time.monotonic()
         self._lock = threading.Lock()
@@ -353,10 +382,14 @@ class _Watchdog:
             with self._lock:
                 stage, elapsed = self._stage, time.monotonic() - self._since
             if elapsed > self._budget_s:
-                _err(
-                    f"{self._who} FAIL ({stage}): stuck for {elapsed:.0f} s, past the timeout; "
+                diagnosis = (
+                    f"({stage}): stuck for {elapsed:.0f} s, past the timeout; "
                     f"this rank is blocked in {stage} (a peer gone, a firewall, or a hung device)"
                 )
+                _err(f"{self._who} FAIL {diagnosis}")
+                if self._on_stuck is not None:
+                    with contextlib.suppress(Exception):
+                        self._on_stuck(diagnosis)
                 os._exit(1)  # the main thread is blocked in C++; nothing short of this ends it
 
 
@@ -377,11 +410,20 @@ def _run_rank(args: argparse.Namespace) -> int:
     if started_dir:
         with contextlib.suppress(OSError):
             Path(started_dir, f"rank{rank_env.rank}").touch()
-    watchdog = _Watchdog(rank_env.who, args.timeout + _WATCHDOG_GRACE_S)
+    report_dir: Path | None = args.report_dir
+    if report_dir is not None:
+        _remove_stale_results(report_dir, rank_env.rank)
+
+    def record_failure(diagnosis: str) -> None:
+        if report_dir is not None:
+            _record_failure(report_dir, rank_env, diagnosis)
+
+    watchdog = _Watchdog(rank_env.who, args.timeout + _WATCHDOG_GRACE_S, on_stuck=record_failure)
     try:
         return _check_rank(args, rank_env, watchdog)
     except CheckFailed as error:
         _err(f"{rank_env.who} FAIL {error}")
+        record_failure(str(error))
         return 1
     finally:
         watchdog.stop()
@@ -416,6 +458,9 @@ def _check_rank(args: argparse.Namespace, rank_env: _RankEnv, watchdog: _Watchdo
             all_reduce_ms = _all_reduce(device, rank_env)
         with watchdog.stage("memory"):
             memory = _allocate(device, args.alloc_mb)
+        if args.report_dir is not None:
+            with watchdog.stage("report_dir"):
+                _probe_report_dir(args.report_dir, rank_env.rank)
         _say(f"{rank_env.who} OK ({backend}, {device}, all_reduce {all_reduce_ms:.2f} ms)")
         with watchdog.stage("summary"):
             result = _RankResult(
@@ -429,7 +474,12 @@ def _check_rank(args: argparse.Namespace, rank_env: _RankEnv, watchdog: _Watchdo
             gathered: list[Any] = [None] * rank_env.world_size
             dist.all_gather_object(gathered, asdict(result), group=monitor)
         if rank_env.rank == 0:
-            _say(_summary(backend, torch.__version__, [_RankResult(**item) for item in gathered]))
+            results = [_RankResult(**item) for item in gathered]
+            summary = _summary(backend, torch.__version__, results)
+            _say(summary)
+            if args.report_dir is not None:
+                with watchdog.stage("summary"):
+                    _write_summary(args.report_dir, summary, backend, results)
     finally:
         # A failed shutdown after a failed check must not hide the diagnosis; the watchdog bounds a hung one.
         with watchdog.stage("shutdown"), contextlib.suppress(Exception):
@@ -579,6 +629,80 @@ def _allocate(device: torch.device, alloc_mb: float) -> str:
         free, capacity = torch.cuda.mem_get_info(device)
         return f"{free / (1 << 30):.1f} of {capacity / (1 << 30):.1f} GiB free"
     return f"{alloc_mb:g} MiB allocated"
+
+
+def _probe_report_dir(report_dir: Path, rank: int) -> None:
+    """Create `report_dir` and write a file there, as the watcher does when it reports: fail here, not then."""
+    probe = report_dir / f".{SUMMARY_STEM}-probe-rank{rank}-{os.getpid()}"
+    try:
+        report_dir.mkdir(parents=True, exist_ok=True)
+        probe.write_text("nanwatch doctor: can this rank write here?\n", encoding="utf-8")
+        probe.unlink()
+    except OSError as error:
+        raise CheckFailed(
+            f"(report_dir): cannot write to report_dir {str(report_dir)!r}: {error.strerror or error}; a watched run "
+            f"with this config would lose its reports on this rank"
+        ) from error
+
+
+def _remove_stale_results(report_dir: Path, rank: int) -> None:
+    # A result left by an earlier check must not pass for this one's, whatever happens to this one.
+    stems = [f"{SUMMARY_STEM}-rank{rank}", *([SUMMARY_STEM] if rank == 0 else [])]
+    for stem in stems:
+        for suffix in (".txt", ".json"):
+            with contextlib.suppress(OSError):
+                (report_dir / f"{stem}{suffix}").unlink(missing_ok=True)
+
+
+def _write_summary(report_dir: Path, summary: str, backend: str, results: list[_RankResult]) -> None:
+    data = {
+        "ok": True,
+        "time": _now(),
+        "world_size": len(results),
+        "backend": backend,
+        "torch": torch.__version__,
+        "all_reduce_mib": _ALL_REDUCE_NUMEL * 4 / (1 << 20),
+        "ranks": [asdict(result) for result in sorted(results, key=lambda r: r.rank)],
+    }
+    try:
+        _write_whole(report_dir / f"{SUMMARY_STEM}.txt", summary + "\n")
+        _write_whole(report_dir / f"{SUMMARY_STEM}.json", json.dumps(data, indent=2) + "\n")
+    except OSError as error:
+        raise CheckFailed(
+            f"(summary): cannot write the summary to report_dir {str(report_dir)!r}: {error.strerror or error}"
+        ) from error
+
+
+def _record_failure(report_dir: Path, rank_env: _RankEnv, diagnosis: str) -> None:
+    """Best effort: the diagnosis is on stderr already, and report_dir may be what failed."""
+    data = {
+        "ok": False,
+        "time": _now(),
+        "rank": rank_env.rank,
+        "world_size": rank_env.world_size,
+        "host": rank_env.host,
+        "diagnosis": diagnosis,
+    }
+    stem = f"{SUMMARY_STEM}-rank{rank_env.rank}"
+    with contextlib.suppress(OSError):
+        report_dir.mkdir(parents=True, exist_ok=True)
+        _write_whole(report_dir / f"{stem}.txt", f"{rank_env.who} FAIL {diagnosis}\n")
+        _write_whole(report_dir / f"{stem}.json", json.dumps(data, indent=2) + "\n")
+
+
+def _write_whole(path: Path, text: str) -> None:
+    # Written beside, then renamed over: a reader never sees half a file, and a failed write leaves none.
+    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    try:
+        partial.write_text(text, encoding="utf-8")
+        os.replace(partial, path)
+    finally:
+        with contextlib.suppress(OSError):
+            partial.unlink(missing_ok=True)
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
 def _summary(backend: str, torch_version: str, results: list[_RankResult]) -> str:

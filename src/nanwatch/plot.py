@@ -5,7 +5,12 @@ outputs, every call of it): the picture of how close each module comes to its dt
 Integer tensors (token ids, masks) are left out, as their values are not magnitudes. inf and nan cells get colours
 of their own, a module that did not run in a batch is left grey, and an abs max of exactly 0 is drawn white.
 Finite cells above the marked dtype's max (a float32 run judged against float16 with `--dtype float16`) are
-outlined in red: they would overflow in that dtype.
+outlined in red: they would overflow in that dtype. With a headroom fraction, cells at or above that fraction of
+the marked max (where nanwatch warns while watching) are outlined in orange, and the fraction is marked on the bar.
+
+With a config (`--config FILE` or the options generated from `WatchConfig`), `include_modules` / `exclude_modules`
+choose the rows, `target_dtype` joins the candidates for the marked max, and `headroom_warn_fraction` (when set)
+draws the headroom outlines.
 
 matplotlib is imported only here, when a plot is drawn (`pip install "nanwatch[plot]"`).
 """
@@ -22,8 +27,11 @@ from typing import Any
 
 import torch
 
+from nanwatch.cli_config import ToolHelpFormatter, add_config_arguments, fields_epilog, tool_config
+from nanwatch.core.config import ConfigError
 from nanwatch.core.jsonl import Block, JsonlError, read_blocks
 from nanwatch.errors import NanwatchError
+from nanwatch.show import chosen_modules, restrict
 
 __all__ = [
     "register",
@@ -34,6 +42,8 @@ __all__ = [
     "draw_heatmap",
     "figure_size",
     "dtype_max",
+    "marked_dtype",
+    "USED_FIELDS",
 ]
 
 ROOT_LABEL = "(root)"
@@ -42,12 +52,24 @@ INF_COLOUR = "#e41a1c"
 NAN_COLOUR = "#ff00ff"
 MISSING_COLOUR = "#d0d0d0"
 ZERO_COLOUR = "#ffffff"
+HEADROOM_COLOUR = "#ff7f00"
 # A dtype's max is put on the colour scale when it lies at most this many decades above the largest value drawn;
 # further up (float32's 3.4e38 for a model whose numbers stay near 1) it would squash every colour into one.
 _MAX_DECADES_TO_DTYPE_MAX = 12.0
 _ROW_INCH = 0.2
 _CHAR_INCH = 0.062  # about one character of 8-point text
 _TOP_INCH, _BOTTOM_INCH, _RIGHT_INCH = 0.6, 0.8, 1.8
+
+# The WatchConfig fields `nanwatch plot` applies, and what each does here (printed by --help).
+USED_FIELDS = {
+    "include_modules": "only modules matching one of these globs get a row (as when watching: `*` crosses dots, the "
+    "root is ''; matched before --depth gathers names); a pattern that matches no module in FILE is an error",
+    "exclude_modules": "modules matching one of these globs get no row",
+    "target_dtype": "the marked max is the tightest of FILE's dtypes and this one, so a float32 run judged as "
+    "float16 has float16's max marked and the cells above it outlined in red (--dtype, when given, is marked instead)",
+    "headroom_warn_fraction": "cells at or above this fraction of the marked max, where nanwatch warns while "
+    "watching, are outlined in orange and the fraction is marked on the colour bar; null or 0: off",
+}
 
 
 class PlotError(NanwatchError, ValueError):
@@ -83,6 +105,7 @@ class PlotResult:
         high: the top of the colour scale, in log10 units.
         dtype: whose max is marked.
         dtype_max_on_scale: whether that max fits on the colour scale (and is marked on the colour bar).
+        headroom: the headroom threshold (a fraction of that max) whose cells are outlined in orange, or None.
     """
 
     width: int
@@ -92,6 +115,7 @@ class PlotResult:
     high: float
     dtype: str
     dtype_max_on_scale: bool
+    headroom: float | None = None
 
 
 def _is_float(dtype: str | None) -> bool:
@@ -158,6 +182,16 @@ def dtype_max(dtype: str) -> float:
     return float(torch.finfo(torch_dtype).max)
 
 
+def marked_dtype(heatmap: Heatmap, target_dtype: str | None = None) -> str:
+    """The dtype whose max a plot marks: the tightest of the dtypes drawn and `target_dtype` (when given).
+
+    Raises:
+        PlotError: `target_dtype` is not a floating-point dtype.
+    """
+    candidates = [*heatmap.dtypes, *([target_dtype] if target_dtype is not None else [])]
+    return min(candidates, key=dtype_max)
+
+
 def figure_size(heatmap: Heatmap) -> tuple[float, float, float, float]:
     """(width, height, left margin, plot width) in inches: the picture grows with the rows, columns and names."""
     columns = len(heatmap.batches)
@@ -168,7 +202,13 @@ def figure_size(heatmap: Heatmap) -> tuple[float, float, float, float]:
 
 
 def draw_heatmap(
-    heatmap: Heatmap, output: str | Path, *, dtype: str | None = None, title: str | None = None, dpi: int = 100
+    heatmap: Heatmap,
+    output: str | Path,
+    *,
+    dtype: str | None = None,
+    title: str | None = None,
+    dpi: int = 100,
+    headroom_fraction: float | None = None,
 ) -> PlotResult:
     """Draw `heatmap` to a PNG file.
 
@@ -178,13 +218,18 @@ def draw_heatmap(
         dtype: whose max to mark; by default the tightest of the dtypes drawn (float16 in a mixed-precision run).
         title: the first line of the title.
         dpi: pixels per inch.
+        headroom_fraction: outline in orange the finite cells at or above this fraction of the marked max (and at
+            most the max), and mark the fraction on the colour bar; None: no headroom marks.
 
     Returns:
         The image's size, where its cells are, and its colour scale.
 
     Raises:
-        PlotError: matplotlib is not installed, or `dtype` is not a floating-point dtype.
+        PlotError: matplotlib is not installed, `dtype` is not a floating-point dtype, or `headroom_fraction` is not
+            in (0, 1].
     """
+    if headroom_fraction is not None and not 0 < headroom_fraction <= 1:
+        raise PlotError(f"headroom_fraction must be in (0, 1], got {headroom_fraction!r}")
     try:
         import numpy as np
         from matplotlib import colormaps, colors
@@ -197,9 +242,10 @@ def draw_heatmap(
             'nanwatch plot draws with matplotlib, which is not installed: pip install "nanwatch[plot]"'
         ) from error
 
-    marked = dtype if dtype is not None else min(heatmap.dtypes, key=dtype_max)
+    marked = dtype if dtype is not None else marked_dtype(heatmap)
     limit = dtype_max(marked)
     limit_log = math.log10(limit)
+    headroom = headroom_fraction * limit if headroom_fraction is not None else None
 
     values = np.array([[math.nan if v is None else v for v in row] for row in heatmap.cells], dtype=float)
     missing = np.array([[v is None for v in row] for row in heatmap.cells])
@@ -247,6 +293,13 @@ def draw_heatmap(
         # Drawn a little inside each cell and above the white grid lines, so neighbours' outlines stay apart.
         outlines = [Rectangle((c - 0.42, r - 0.42), 0.84, 0.84) for r, c in zip(*np.nonzero(above), strict=True)]
         axes.add_collection(PatchCollection(outlines, facecolor="none", edgecolor=INF_COLOUR, linewidth=1.5, zorder=3))
+    # Cells within the headroom (where watching would warn) but not above the max get an orange outline.
+    near = np.isfinite(values) & (values >= headroom) & (values <= limit) if headroom is not None else None
+    if near is not None and near.any():
+        outlines = [Rectangle((c - 0.42, r - 0.42), 0.84, 0.84) for r, c in zip(*np.nonzero(near), strict=True)]
+        axes.add_collection(
+            PatchCollection(outlines, facecolor="none", edgecolor=HEADROOM_COLOUR, linewidth=1.5, zorder=3)
+        )
 
     rows, columns = len(heatmap.rows), len(heatmap.batches)
     axes.set_yticks(range(rows), heatmap.rows, fontsize=8)
@@ -277,6 +330,9 @@ def draw_heatmap(
             fontsize=7,
             color=INF_COLOUR,
         )
+    if headroom is not None and low <= math.log10(headroom) <= high:
+        # No text beside it: it would overlap the max's; the legend names it.
+        bar_axes.axhline(math.log10(headroom), color=HEADROOM_COLOUR, linewidth=2.0, linestyle="--")
 
     first_line = title or "log10(abs max) per module and batch"
     second = f"cell: max over the module's float lines; {rows} modules, {columns} batches"
@@ -292,33 +348,66 @@ def draw_heatmap(
     ]
     if above.any():
         legend.append(Patch(facecolor="none", edgecolor=INF_COLOUR, linewidth=1.5, label=f"above {marked} max"))
-    figure.legend(
-        handles=legend,
-        loc="lower left",
-        bbox_to_anchor=(left / width, 0.05 / height),
-        ncol=len(legend),
-        fontsize=7,
-        frameon=False,
-    )
+    if near is not None and near.any():
+        legend.append(
+            Patch(
+                facecolor="none",
+                edgecolor=HEADROOM_COLOUR,
+                linewidth=1.5,
+                label=f">= {headroom_fraction:g} x {marked} max ({headroom:.3g})",
+            )
+        )
+    # One row when it fits in the figure's width, else as many columns as fit (measured, not guessed).
+    renderer = canvas.get_renderer()  # type: ignore[no-untyped-call]
+    for columns in range(len(legend), 0, -1):
+        placed = figure.legend(
+            handles=legend,
+            loc="lower left",
+            bbox_to_anchor=(left / width, 0.05 / height),
+            ncol=columns,
+            fontsize=7,
+            frameon=False,
+        )
+        if columns == 1 or placed.get_window_extent(renderer).x1 <= width * dpi:
+            break
+        placed.remove()
     figure.savefig(str(output), format="png", dpi=dpi)
     pixels: tuple[int, int] = canvas.get_width_height()
     cells = (left * dpi, _TOP_INCH * dpi, plot_width * dpi, plot_height * dpi)
-    return PlotResult(pixels[0], pixels[1], cells, low, high, marked, on_scale)
+    return PlotResult(pixels[0], pixels[1], cells, low, high, marked, on_scale, headroom)
 
 
 def _run(args: argparse.Namespace) -> int:
+    settings = tool_config(args, args.parser)
+    config = settings.config
+    if args.dtype is not None and "target_dtype" in settings.from_line:
+        args.parser.error("--dtype marks that dtype's max, --target-dtype the tightest of it and FILE's: give one")
+    for flag in settings.unused_options(USED_FIELDS):
+        print(f"nanwatch plot: note: {flag} is not used by plot (see nanwatch plot --help)", file=sys.stderr)
+    # Applied only when set: a default fraction would add marks that nobody asked for.
+    headroom = config.headroom_warn_fraction if "headroom_warn_fraction" in settings.given else None
     try:
         blocks = read_blocks(args.file)
+        if config.include_modules or config.exclude_modules:
+            names = [record.module for block in blocks for record in block.records]
+            modules = chosen_modules(names, config.include_modules, config.exclude_modules, source=args.file)
+            blocks = [restrict(block, modules) for block in blocks]
         heatmap = build_heatmap(blocks, depth=args.depth)
         if len(heatmap.rows) > MAX_ROWS:
             raise PlotError(
                 f"{len(heatmap.rows)} modules make more than {MAX_ROWS} rows; gather them with --depth N "
                 "(rows named by the first N parts of the module names)"
             )
+        dtype = args.dtype if args.dtype is not None else marked_dtype(heatmap, config.target_dtype)
         result = draw_heatmap(
-            heatmap, args.output, dtype=args.dtype, title=args.title or Path(args.file).name, dpi=args.dpi
+            heatmap,
+            args.output,
+            dtype=dtype,
+            title=args.title or Path(args.file).name,
+            dpi=args.dpi,
+            headroom_fraction=headroom,
         )
-    except (JsonlError, PlotError) as error:
+    except (JsonlError, PlotError, ConfigError) as error:
         print(f"nanwatch plot: error: {error}", file=sys.stderr)
         return 2
     except OSError as error:
@@ -349,13 +438,18 @@ def register(subparsers: Any) -> None:
             'own, and the dtype\'s max marked on the colour bar. Needs matplotlib: pip install "nanwatch[plot]". '
             "Exit status: 0, or 2 on bad input."
         ),
+        epilog=fields_epilog("plot", USED_FIELDS),
+        formatter_class=ToolHelpFormatter,
     )
     parser.add_argument("file", metavar="FILE[:BATCH]", help="a .jsonl file written by nanwatch")
     parser.add_argument("-o", "--output", required=True, help="the PNG file to write")
     parser.add_argument(
         "--depth", type=_positive, default=None, help="gather modules by the first N parts of their names"
     )
-    parser.add_argument("--dtype", default=None, help="whose max to mark (default: the tightest dtype in the file)")
+    parser.add_argument(
+        "--dtype", default=None, help="whose max to mark (default: the tightest of the file's dtypes and target_dtype)"
+    )
     parser.add_argument("--title", default=None, help="title (default: the file's name)")
     parser.add_argument("--dpi", type=_positive, default=100, help="pixels per inch (default: 100)")
-    parser.set_defaults(func=_run)
+    add_config_arguments(parser, used=USED_FIELDS)
+    parser.set_defaults(func=_run, parser=parser)

@@ -66,7 +66,9 @@ def measure(tensor: torch.Tensor, underflow: CountUnderflow | None = None) -> Me
         return Measurement(None, None, dtype, shape, skipped=str(tensor.layout).replace("torch.", ""))
     if tensor.numel() == 0:
         return Measurement(None, None, dtype, shape, skipped="empty")
-    data = tensor.detach()
+    # detach() only where a graph could be built or a subclass hides the plain tensor (a Parameter): one op less for
+    # every activation of an inference forward.
+    data = tensor if type(tensor) is torch.Tensor and not tensor.requires_grad else tensor.detach()
     if dtype in _ABS_KEEPS_DTYPE:
         abs_min, abs_max = _abs_aminmax(data)
         return Measurement(abs_min, abs_max, dtype, shape)
@@ -143,7 +145,8 @@ _scratch = _Scratch()
 def _abs_aminmax(data: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`torch.aminmax(data.abs())`, the same numbers, without a fresh full-size temporary on the CPU."""
     numel = data.numel()
-    if not data.is_cpu:
+    # Subclasses (DTensor, fake tensors) keep their own semantics: no writing into a plain buffer for them.
+    if not data.is_cpu or type(data) is not torch.Tensor:
         if numel <= _DEVICE_CHUNK or not data.is_contiguous():
             return torch.aminmax(data.abs())
         flat = data.view(-1)
