@@ -9,8 +9,14 @@ drives nanwatch. After `accelerator.prepare(...)`, every rank calls `tracker.att
   gradient accumulation; an eval-mode forward is not counted or watched unless `watch_eval`;
 - step pre/post hooks on the real optimizer inside each prepared `AcceleratedOptimizer`: it only runs on the
   micro-batch that ends an accumulation window (`sync_gradients`), on every rank, so the check and its all-reduce
-  happen there, before the weights change. A step GradScaler skips never reaches the hooks: nothing is applied,
-  and the micro-batch is checked at the next forward instead.
+  happen there, before the weights change. A step GradScaler skips never reaches the hooks (a fused optimizer's
+  does, with `found_inf` set, and applies nothing): the micro-batch is checked at the next forward instead.
+
+Under fp16 the Accelerator's own `GradScaler` (`accelerator.scaler`) is followed (see core/amp.py): with
+`watch_gradients`, inf/nan gradients on a step the scaler skips are logged and the run goes on, the scale's history
+goes into every report, and the run stops when the scale falls below `min_loss_scale`, when inf/nan is in the
+forward (weights, activations, a loss the model returns or one given to `watch_loss`), or when inf/nan gradients
+are about to be applied by a step the scaler let through (checked in the step pre-hook, before the weights change).
 
 The epoch is the `iteration` of the prepared dataloader being iterated, unless `set_epoch()` says otherwise. With
 `summary_every_n_batches`, the main process sends the per-module abs max to the other trackers via `accelerator.log`.
@@ -25,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from nanwatch.core.amp import scaler_of
 from nanwatch.core.config import WatchConfig, resolve_config
 from nanwatch.core.summary import Summary
 from nanwatch.core.watcher import Watcher
@@ -133,6 +140,9 @@ class OverflowTracker(GeneralTracker):  # type: ignore[misc]
                 watcher.hooks.add_handle(real.register_step_post_hook(self._after_optimizer_step))
         if optimizers and watcher.optimizer_step is None:
             watcher.optimizer_step = 0
+        scaler = scaler_of(accelerator)  # None unless fp16 runs on a device Accelerate builds a GradScaler for
+        if scaler is not None:
+            watcher.watch_scaler(scaler)  # its first reading, at the counters just set
         self.watcher = watcher
         self._batch_open = False
         return self
@@ -154,6 +164,17 @@ class OverflowTracker(GeneralTracker):  # type: ignore[misc]
         self, exc_type: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None
     ) -> None:
         self.detach()
+
+    def watch_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """Record a loss computed outside the model as a frame of its own (module `(loss)`); returns `loss`.
+
+        `accelerator.backward(tracker.watch_loss(loss))`. Under a GradScaler an inf loss makes every gradient inf,
+        which would otherwise pass for an overflow the scaler handles until the scale reached its floor. A loss the
+        model returns (as transformers models do) is already in the model's own frame.
+        """
+        if self.watcher is not None:
+            self.watcher.watch_loss(loss)
+        return loss
 
     # ------------------------------------------------------------------------------------------------ counters
 
@@ -222,8 +243,10 @@ class OverflowTracker(GeneralTracker):  # type: ignore[misc]
             self._stopping(watcher.end_eval_batch)
 
     def _before_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if self.watcher is not None:
-            self._stopping(self.watcher.before_optimizer_step)
+        # Under a GradScaler this runs only for steps it lets through (`scaler.step` calls `optimizer.step` then).
+        watcher = self.watcher
+        if watcher is not None:
+            self._stopping(lambda: watcher.before_optimizer_step(optimizer))
 
     def _after_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self.watcher is not None:

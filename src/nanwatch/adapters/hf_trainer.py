@@ -5,6 +5,14 @@ Counters: `batch_number` counts every training micro-batch (each `training_step`
 every rank, so the one all-reduce per micro-batch sits there, and a step that would apply inf/nan never runs. The
 report's optimizer step is `state.global_step` (steps completed so far) and its epoch is `floor(state.epoch)`.
 
+Under fp16 the Trainer's `GradScaler` is followed (see core/amp.py). The Trainer makes it in its `Accelerator`, which
+hands it to the optimizer it prepares: the callback finds it there (`optimizer.scaler`, the optimizer the Trainer
+passes to callbacks). With `watch_gradients`, inf/nan gradients on a step the scaler skips are logged and the run goes
+on; a step the scaler lets through is checked once more in the optimizer's step pre-hook (all ranks reach it alike),
+so inf/nan gradients never reach the weights. The scale's history goes into every report and stays in `loss_scale`
+after training; the run stops when the scale falls below `min_loss_scale` or inf/nan is in the forward (weights,
+activations, or the loss the model returns).
+
 With `summary_every_n_batches`, a due summary makes the Trainer log at the end of that optimizer step (its loss
 too); the values join `state.log_history` and the `logs` that callbacks after this one receive in `on_log`.
 """
@@ -12,12 +20,14 @@ too); the values join `state.log_history` and the `logs` that callbacks after th
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from nanwatch.adapters.plain import unwrap_model
+from nanwatch.core.amp import LossScaleHistory, scaler_of
 from nanwatch.core.config import WatchConfig, resolve_config
 from nanwatch.core.summary import Summary
 from nanwatch.core.watcher import Watcher
@@ -48,6 +58,10 @@ class OverflowTrainerCallback(TrainerCallback):  # type: ignore[misc,unused-igno
         config: a `WatchConfig`, a dict of its fields, or the path of a YAML/JSON file; defaults when None.
         **overrides: fields of `WatchConfig` that replace those of `config`.
 
+    Attributes:
+        watcher: the core `Watcher` while `train()` runs; None before and after.
+        loss_scale: under a `GradScaler`, the scale's history as it was when the last `train()` ended (or raised).
+
     Raises:
         ImportError: transformers is not installed.
         ConfigError: the config or an override names an unknown field or holds a bad value.
@@ -62,6 +76,7 @@ class OverflowTrainerCallback(TrainerCallback):  # type: ignore[misc,unused-igno
         self.config = resolve_config(config, **overrides)
         self.watcher: Watcher | None = None
         self._summary: dict[str, float] | None = None  # due, waiting for the Trainer's next log event
+        self.loss_scale: LossScaleHistory | None = None
 
     # ------------------------------------------------------------------------------------------- lifecycle
 
@@ -85,8 +100,16 @@ class OverflowTrainerCallback(TrainerCallback):  # type: ignore[misc,unused-igno
                 "epoch": _whole_epoch(state),
             }
         )
+        optimizer = kwargs.get("optimizer")
+        scaler = scaler_of(optimizer)  # the Trainer's accelerator's GradScaler, None without fp16 loss scaling
+        if scaler is not None:
+            watcher.watch_scaler(scaler)
         watcher.attach()
         watcher.hooks.add_forward_pre(root, self._before_top_forward)
+        if scaler is not None and optimizer is not None:
+            real = getattr(optimizer, "optimizer", optimizer)  # inside the AcceleratedOptimizer
+            watcher.hooks.add_handle(real.register_step_pre_hook(self._before_scaled_step))
+            watcher.hooks.add_handle(real.register_step_post_hook(self._after_scaled_step))
         watcher.summary_sink = self._hold_summary  # on every rank: see on_step_end
         self.watcher = watcher
 
@@ -104,6 +127,8 @@ class OverflowTrainerCallback(TrainerCallback):  # type: ignore[misc,unused-igno
     def close(self) -> None:
         """Remove every hook nanwatch put on the model (safe to call more than once)."""
         if self.watcher is not None:
+            if self.watcher.loss_scale is not None:
+                self.loss_scale = self.watcher.loss_scale.history()
             self.watcher.detach()
             self.watcher = None
 
@@ -116,6 +141,38 @@ class OverflowTrainerCallback(TrainerCallback):  # type: ignore[misc,unused-igno
         if watcher is not None and phase != watcher.phase:
             watcher.set_phase(phase)
 
+    def _before_scaled_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        # Inside `scaler.step`, which calls `optimizer.step` only for a step it does not skip: gradients found
+        # non-finite since on_pre_optimizer_step's check are about to be applied. Every rank gets here alike (the
+        # scaler decides from gradients the ranks share), so the check's collective is safe.
+        watcher = self.watcher
+        if watcher is None:
+            return
+        watcher.optimizer_step_applying(optimizer)
+        if self.config.watch_gradients:  # without backward frames nanwatch never lets gradients pass as overflows
+            self._stopping(watcher.check_and_agree)
+
+    def on_optimizer_step(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        # After `scaler.step` and `scaler.update`, skipped or not. The micro-batch's own reading (in end_batch) came
+        # before its step: read again now, so a drop is put on the micro-batch whose gradients caused it, and the next
+        # check does not take that drop for a skip of its own step.
+        watcher = self.watcher
+        monitor = None if watcher is None else watcher.loss_scale
+        if watcher is None or monitor is None:
+            return
+        try:
+            monitor.observe(watcher.batch_number - 1, state.global_step)  # the floor is checked at the next batch end
+        except Exception as failure:  # a scaler we cannot read must not kill a healthy run
+            watcher.logger.warning(f"nanwatch could not read the GradScaler's scale (the run goes on): {failure!r}")
+
+    def _after_scaled_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        # The step is over: gradients of the next micro-batch are not judged by it.
+        watcher = self.watcher
+        if watcher is not None and watcher.loss_scale is not None:
+            watcher.loss_scale.step_done()
+
     def on_substep_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
@@ -126,9 +183,7 @@ class OverflowTrainerCallback(TrainerCallback):  # type: ignore[misc,unused-igno
     ) -> None:
         self._end_micro_batch(state)
 
-    def on_step_end(
-        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
-    ) -> None:
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         # A summary is due on every rank alike, so every rank asks the Trainer to log: its logging gathers the loss
         # across ranks, and asking on one rank only would leave the others out of that collective.
         if self._summary is not None:
@@ -173,8 +228,11 @@ class OverflowTrainerCallback(TrainerCallback):  # type: ignore[misc,unused-igno
     def _end_batch(self, watcher: Watcher, state: TrainerState) -> None:
         watcher.optimizer_step = state.global_step
         watcher.epoch = _whole_epoch(state)
+        self._stopping(watcher.end_batch)
+
+    def _stopping(self, action: Callable[[], None]) -> None:
         try:
-            watcher.end_batch()
+            action()
         except BaseException:
             # The Trainer has no exception event: remove the hooks before our error leaves train().
             self.close()

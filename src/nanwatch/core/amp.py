@@ -36,7 +36,7 @@ from nanwatch.errors import LossScaleBelowFloor
 if TYPE_CHECKING:
     import logging
 
-__all__ = ["GradScalerLike", "GradientOverflow", "LossScaleHistory", "LossScaleMonitor", "ScaleRecord"]
+__all__ = ["GradScalerLike", "GradientOverflow", "LossScaleHistory", "LossScaleMonitor", "ScaleRecord", "scaler_of"]
 
 # Changes of the scale kept for the report: the first reading and the most recent ones.
 _MAX_RECORDS = 64
@@ -51,6 +51,17 @@ class GradScalerLike(Protocol):
     def get_scale(self) -> float: ...
 
     def is_enabled(self) -> bool: ...
+
+
+def scaler_of(holder: object) -> GradScalerLike | None:
+    """The loss scaler a framework object keeps in its `scaler` attribute, or None when it has none.
+
+    Where each framework keeps the run's `GradScaler` (None there when the loss is not scaled): Lightning's precision
+    plugin (`trainer.precision_plugin.scaler`), an `accelerate.Accelerator` (`accelerator.scaler`), and each
+    `AcceleratedOptimizer` it prepares (`optimizer.scaler`, the one the transformers Trainer hands its callbacks).
+    """
+    scaler = getattr(holder, "scaler", None)
+    return scaler if isinstance(scaler, GradScalerLike) else None
 
 
 @dataclass(frozen=True, slots=True)
