@@ -24,6 +24,7 @@ that position (for the others: the median). Ratios are costs over the cost of `n
     python benchmarks/overhead.py                                  # none / watch / hf, about 3 minutes on 2 cores
     python benchmarks/overhead.py --watch-gradients --modes train  # the same, with a config option
     python benchmarks/overhead.py --each-option                    # every option of issue 4, about 12 minutes
+    python benchmarks/overhead.py --floor --no-hf                  # what one read-only pass per tensor costs
     python benchmarks/overhead.py --rounds 60 --output /tmp/overhead.json
 
 Needs `transformers` (the `transformers` extra). A benchmark, not a test: it asserts nothing about speed, it
@@ -53,6 +54,7 @@ import torch
 import nanwatch
 from nanwatch.cli_config import add_config_arguments, config_from_args
 from nanwatch.core.log import get_logger
+from nanwatch.core.stats import Measurement, measure
 
 # Targets of the design (issue 2, item 5): watch/none per mode, and watch's added time over the tool's added time.
 TARGETS = {"train": 1.05, "infer": 1.10, "added_vs_hf": 0.25}
@@ -84,6 +86,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--each-option", action="store_true", help="also time one variant per option of OPTIONS")
     parser.add_argument("--no-hf", action="store_true", help="leave transformers' DebugUnderflowOverflow out")
+    parser.add_argument(
+        "--floor",
+        action="store_true",
+        help="also time an experiment: watch with one read-only aminmax per tensor instead of abs + aminmax "
+        "(exact abs max, NOT an exact abs min), the least a pass over every tensor costs",
+    )
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default 2)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     parser.add_argument("--vocab", type=int, default=8192, help="vocabulary size (default 8192)")
@@ -183,6 +191,8 @@ class Variant:
         else:
             assert self.config is not None
             self.handle = self.stash.capture(lambda: nanwatch.watch(model, self.config, optimizer=optimizer))
+            if self.name == FLOOR:
+                self.handle.watcher._cache._measure = _read_only_measure  # the experiment: see --floor
         self.stash.take_off()
 
     def close(self) -> None:
@@ -210,6 +220,13 @@ class Variant:
         by_position: dict[int, list[float]] = {}
         for index, seconds in self.times[mode]:
             by_position.setdefault(index % self.period, []).append(seconds)
+        return statistics.fmean(statistics.median(values) for values in by_position.values())
+
+    def paired_ratio(self, mode: str, none: Variant) -> float:
+        """The same, of the ratios to `none`'s step in the same round: insensitive to the machine's slow drifts."""
+        by_position: dict[int, list[float]] = {}
+        for (index, seconds), (_, baseline) in zip(self.times[mode], none.times[mode], strict=True):
+            by_position.setdefault(index % self.period, []).append(seconds / baseline)
         return statistics.fmean(statistics.median(values) for values in by_position.values())
 
 
@@ -298,7 +315,12 @@ def run_mode(bench: Bench, variants: list[Variant], mode: str, rounds: int, warm
     results: dict[str, Any] = {"rounds": rounds, "foreign_load_cores": load.cores(), "variants": {}}
     for variant in variants:
         cost = variant.cost(mode)
-        entry = {"cost_s": cost, "ratio_to_none": cost / none, "added_ms": (cost - none) * 1e3}
+        entry = {
+            "cost_s": cost,
+            "ratio_to_none": cost / none,
+            "paired_ratio_to_none": variant.paired_ratio(mode, variants[0]),
+            "added_ms": (cost - none) * 1e3,
+        }
         if variant.name not in ("none", "hf") and hf > none:
             entry["added_over_added_hf"] = (cost - none) / (hf - none)
         entry["config"] = None if variant.config is None else variant.config.model_dump(mode="json")
@@ -309,8 +331,8 @@ def run_mode(bench: Bench, variants: list[Variant], mode: str, rounds: int, warm
 
 def print_mode(mode: str, results: dict[str, Any], variants: list[Variant], shown_config: dict[str, Any]) -> None:
     rows = results["variants"]
-    print(f"\n{mode}: {results['rounds']} rounds; ms per step")
-    print(f"{'variant':<22}{'ms':>8}{'x none':>8}{'added ms':>10}{'added/hf':>10}  config")
+    print(f"\n{mode}: {results['rounds']} rounds; ms per step; x none: cost / none's; paired: median per-round ratio")
+    print(f"{'variant':<22}{'ms':>8}{'x none':>8}{'paired':>8}{'added ms':>10}{'added/hf':>10}  config")
     for variant in variants:
         row = rows[variant.name]
         added_hf = row.get("added_over_added_hf")
@@ -320,7 +342,8 @@ def print_mode(mode: str, results: dict[str, Any], variants: list[Variant], show
         elif variant.name == "watch":
             config = shown_config
         print(
-            f"{variant.name:<22}{row['cost_s'] * 1e3:>8.1f}{row['ratio_to_none']:>8.3f}{row['added_ms']:>10.1f}"
+            f"{variant.name:<22}{row['cost_s'] * 1e3:>8.1f}{row['ratio_to_none']:>8.3f}"
+            f"{row['paired_ratio_to_none']:>8.3f}{row['added_ms']:>10.1f}"
             f"{'' if added_hf is None else f'{added_hf:.3f}':>10}  {json.dumps(config) if config else ''}"
         )
     if "watch" in rows:
@@ -337,11 +360,25 @@ def print_mode(mode: str, results: dict[str, Any], variants: list[Variant], show
     print(f"other processes used {busy:.2f} cores meanwhile{note}")
 
 
+FLOOR = "floor (inexact)"
+
+
+def _read_only_measure(tensor: torch.Tensor) -> Measurement:
+    """One read-only pass: min and max of the raw values. abs max = max(-min, max) exactly; the abs min is right only
+    when all values have one sign. An experiment for --floor, never what nanwatch does."""
+    if not tensor.dtype.is_floating_point or tensor.numel() == 0:
+        return measure(tensor)
+    low, high = torch.aminmax(tensor.detach())
+    return Measurement(low.abs(), torch.maximum(low.neg(), high), tensor.dtype, tuple(tensor.shape))
+
+
 def make_variants(args: argparse.Namespace, mode: str) -> list[Variant]:
     config: nanwatch.WatchConfig = args.watch_config
     names: list[Variant] = [Variant("none", None), Variant("watch", config, _period(config))]
     if not args.no_hf:
         names.append(Variant("hf", None))
+    if args.floor:
+        names.append(Variant(FLOOR, config, _period(config)))
     if args.each_option:
         for name, (overrides, modes) in OPTIONS.items():
             if mode in modes:

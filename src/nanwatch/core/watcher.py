@@ -499,9 +499,8 @@ class Watcher:
         culprit = local.culprit if mine and local is not None else None
         if culprit is not None:
             first += f": {culprit}"
-        message = (
-            f"nanwatch: inf/nan detected during {counter}={agreed.batch_number}{where}{first}. "
-            + ("The report above shows the frames that led there." if report_text else "See that rank's report.")
+        message = f"nanwatch: inf/nan detected during {counter}={agreed.batch_number}{where}{first}. " + (
+            "The report above shows the frames that led there." if report_text else "See that rank's report."
         )
         raise NonFiniteError(
             message,
