@@ -25,6 +25,7 @@ that position (for the others: the median). Ratios are costs over the cost of `n
     python benchmarks/overhead.py --watch-gradients --modes train  # the same, with a config option
     python benchmarks/overhead.py --each-option                    # every option of issue 4, about 12 minutes
     python benchmarks/overhead.py --floor --no-hf                  # what one read-only pass per tensor costs
+    python benchmarks/overhead.py --scaler --modes train           # through a GradScaler: AMP awareness
     python benchmarks/overhead.py --rounds 60 --output /tmp/overhead.json
 
 Needs `transformers` (the `transformers` extra). A benchmark, not a test: it asserts nothing about speed, it
@@ -92,6 +93,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="also time an experiment: watch with one read-only aminmax per tensor instead of abs + aminmax "
         "(exact abs max, NOT an exact abs min), the least a pass over every tensor costs",
     )
+    parser.add_argument(
+        "--scaler",
+        action="store_true",
+        help="train through a torch.amp.GradScaler (every variant), and give it to nanwatch (scaler=): what AMP "
+        "awareness costs",
+    )
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default 2)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     parser.add_argument("--vocab", type=int, default=8192, help="vocabulary size (default 8192)")
@@ -123,7 +130,7 @@ def build_model(vocab: int, seq: int, seed: int) -> torch.nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
     from transformers.utils import logging as transformers_logging
 
-    transformers_logging.set_verbosity_error()  # its notes on the config's defaults are noise here
+    transformers_logging.set_verbosity_error()  # type: ignore[no-untyped-call]  # its notes on the config's defaults are noise here
     config = GPT2Config(
         vocab_size=vocab, n_positions=seq, n_embd=256, n_layer=4, n_head=4, bos_token_id=0, eos_token_id=0
     )
@@ -170,8 +177,11 @@ class HookStash:
 class Variant:
     """One way of watching the shared model: its hooks, its handle, its step times by position in its period."""
 
-    def __init__(self, name: str, config: nanwatch.WatchConfig | None, period: int = 1) -> None:
+    def __init__(
+        self, name: str, config: nanwatch.WatchConfig | None, period: int = 1, *, give_scaler: bool = True
+    ) -> None:
         self.name = name
+        self.give_scaler = give_scaler  # with --scaler: passed to watch(scaler=), unless this is the variant without
         self.config = config
         self.period = period
         self.handle: nanwatch.WatchHandle | None = None
@@ -180,19 +190,25 @@ class Variant:
         self.steps_taken = {"train": 0, "infer": 0}
         self.times: dict[str, list[tuple[int, float]]] = {"train": [], "infer": []}
 
-    def set_up(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    def set_up(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None
+    ) -> None:
         if self.name == "none":
             return
         self.stash = HookStash(model, optimizer)
         if self.name == "hf":
             from transformers.debug_utils import DebugUnderflowOverflow
 
-            self.hf = self.stash.capture(lambda: DebugUnderflowOverflow(model))
+            self.hf = self.stash.capture(lambda: DebugUnderflowOverflow(model))  # type: ignore[no-untyped-call]
         else:
             assert self.config is not None
-            self.handle = self.stash.capture(lambda: nanwatch.watch(model, self.config, optimizer=optimizer))
+            self.handle = self.stash.capture(
+                lambda: nanwatch.watch(
+                    model, self.config, optimizer=optimizer, scaler=scaler if self.give_scaler else None
+                )
+            )
             if self.name == FLOOR:
-                self.handle.watcher._cache._measure = _read_only_measure  # the experiment: see --floor
+                self.handle.watcher._cache._measure = _read_only_measure  # type: ignore[method-assign]  # --floor
         self.stash.take_off()
 
     def close(self) -> None:
@@ -233,9 +249,13 @@ class Variant:
 class Bench:
     """The shared model, optimizer and batch; times one step of a variant with only its hooks on the model."""
 
-    def __init__(self, model: torch.nn.Module, input_ids: torch.Tensor, device: torch.device) -> None:
+    def __init__(
+        self, model: torch.nn.Module, input_ids: torch.Tensor, device: torch.device, *, scaler: bool = False
+    ) -> None:
         self.model = model
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+        # float32 weights and no autocast: the scaler's work (scale, unscale, inf check, update) is all there is.
+        self.scaler = torch.amp.GradScaler(device.type) if scaler else None
         self.input_ids = input_ids
         self.device = device
         self.losses: list[float] = []
@@ -266,8 +286,13 @@ class Bench:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         loss = self.model(self.input_ids, labels=self.input_ids).loss
-        loss.backward()
-        self.optimizer.step()
+        if self.scaler is None:
+            loss.backward()
+            self.optimizer.step()
+        else:
+            self.scaler.scale(loss).backward()
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
         if variant.handle is not None:
             variant.handle.step()
         self.losses.append(loss.detach())
@@ -315,7 +340,7 @@ def run_mode(bench: Bench, variants: list[Variant], mode: str, rounds: int, warm
     results: dict[str, Any] = {"rounds": rounds, "foreign_load_cores": load.cores(), "variants": {}}
     for variant in variants:
         cost = variant.cost(mode)
-        entry = {
+        entry: dict[str, Any] = {
             "cost_s": cost,
             "ratio_to_none": cost / none,
             "paired_ratio_to_none": variant.paired_ratio(mode, variants[0]),
@@ -361,6 +386,7 @@ def print_mode(mode: str, results: dict[str, Any], variants: list[Variant], show
 
 
 FLOOR = "floor (inexact)"
+NO_SCALER = "watch, no scaler="
 
 
 def _read_only_measure(tensor: torch.Tensor) -> Measurement:
@@ -379,6 +405,8 @@ def make_variants(args: argparse.Namespace, mode: str) -> list[Variant]:
         names.append(Variant("hf", None))
     if args.floor:
         names.append(Variant(FLOOR, config, _period(config)))
+    if args.scaler and mode == "train":
+        names.append(Variant(NO_SCALER, config, _period(config), give_scaler=False))
     if args.each_option:
         for name, (overrides, modes) in OPTIONS.items():
             if mode in modes:
@@ -404,7 +432,7 @@ def main(argv: list[str] | None = None) -> int:
     model = build_model(args.vocab, args.seq, args.seed).to(device)
     generator = torch.Generator().manual_seed(args.seed)
     input_ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=generator).to(device)
-    bench = Bench(model, input_ids, device)
+    bench = Bench(model, input_ids, device, scaler=args.scaler)
     n_params = sum(p.numel() for p in model.parameters())
     shown_config = {
         key: value
@@ -415,6 +443,7 @@ def main(argv: list[str] | None = None) -> int:
         f"GPT-2 shape: 4 layers, width 256, 4 heads, vocab {args.vocab}, {n_params / 1e6:.1f}M parameters; "
         f"batch {args.batch} x sequence {args.seq}; {device}, {args.threads} threads; torch {torch.__version__}, "
         f"transformers {transformers.__version__}, nanwatch {nanwatch.__version__}; watch config {shown_config}"
+        + ("; every training step through a GradScaler, given to nanwatch" if args.scaler else "")
     )
     # Summaries, headroom notes and the like go to the nanwatch logger: kept (their cost is part of the figures) but
     # collected here rather than printed between the tables.
@@ -429,7 +458,7 @@ def main(argv: list[str] | None = None) -> int:
         for mode in args.modes:
             variants = per_mode[mode] = make_variants(args, mode)
             for variant in variants:
-                variant.set_up(model, bench.optimizer)
+                variant.set_up(model, bench.optimizer, bench.scaler)
             try:
                 rounds = args.rounds if mode == "train" else args.infer_rounds
                 results[mode] = run_mode(bench, variants, mode, rounds, args.warmup)
@@ -455,6 +484,7 @@ def main(argv: list[str] | None = None) -> int:
         "vocab": args.vocab,
         "threads": args.threads,
         "device": str(device),
+        "grad_scaler": args.scaler,
         "warmup": args.warmup,
         "versions": {
             "python": platform.python_version(),
