@@ -28,6 +28,7 @@ import torch  # noqa: E402
 from accelerate import Accelerator  # noqa: E402
 from accelerate.state import AcceleratorState, GradientState  # noqa: E402
 from accelerate.utils import GradScalerKwargs  # noqa: E402
+from tests.amp_models import InfInBackward  # noqa: E402
 from torch import nn  # noqa: E402
 
 from nanwatch import LossScaleBelowFloor, NonFiniteError  # noqa: E402
@@ -42,23 +43,6 @@ def fresh_accelerate_state() -> Iterator[None]:
     yield
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
-
-
-class _InfBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        return grad * float("inf")
-
-
-class InfInBackward(nn.Module):
-    """The identity forward; an inf gradient backward, whatever the loss scale."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _InfBackward.apply(x)
 
 
 def fp16_run(

@@ -25,28 +25,12 @@ import pytest
 pytest.importorskip("transformers")
 
 import torch  # noqa: E402
+from tests.amp_models import InfInBackward  # noqa: E402
 from torch import nn  # noqa: E402
 from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 
 from nanwatch import LossScaleBelowFloor, NonFiniteError  # noqa: E402
 from nanwatch.adapters.hf_trainer import OverflowTrainerCallback  # noqa: E402
-
-
-class _InfBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        return grad * float("inf")
-
-
-class InfInBackward(nn.Module):
-    """The identity forward; an inf gradient backward, whatever the loss scale."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _InfBackward.apply(x)
 
 
 class SumModel(nn.Module):

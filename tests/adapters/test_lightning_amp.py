@@ -15,25 +15,11 @@ pytest.importorskip("lightning")
 import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
 from lightning.pytorch.plugins import MixedPrecision  # noqa: E402
+from tests.amp_models import InfInBackward  # noqa: E402
 from torch import nn  # noqa: E402
 
 from nanwatch import LossScaleBelowFloor, NonFiniteError  # noqa: E402
 from nanwatch.adapters.lightning import OverflowCallback  # noqa: E402
-
-
-class _InfBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        return grad * float("inf")
-
-
-class InfInBackward(nn.Module):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _InfBackward.apply(x)
 
 
 class Tiny(pl.LightningModule):

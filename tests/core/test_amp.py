@@ -12,10 +12,10 @@ import logging
 import pickle
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
+from tests.amp_models import InfInBackward
 from torch import nn
 
 from nanwatch import ConfigError, LossScaleBelowFloor, NonFiniteError, WatchConfig, WatchHandle, watch
@@ -34,23 +34,6 @@ def nanwatch_log(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCapture
         yield caplog
     finally:
         logger.removeHandler(caplog.handler)
-
-
-class _InfBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        return grad * float("inf")
-
-
-class InfInBackward(nn.Module):
-    """The identity forward; an inf gradient backward, whatever the loss scale."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _InfBackward.apply(x)
 
 
 def _fp16_model() -> nn.Linear:
