@@ -9,16 +9,15 @@ text byte for byte. `chosen_modules` and `restrict` are shared with `nanwatch di
 from __future__ import annotations
 
 import argparse
-import difflib
 import sys
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import replace
-from fnmatch import fnmatchcase
 from typing import Any
 
 from nanwatch.cli_config import ToolHelpFormatter, add_config_arguments, fields_epilog, tool_config
 from nanwatch.core.config import ConfigError
 from nanwatch.core.jsonl import Block, JsonlError, read_blocks
+from nanwatch.core.scope import select_names
 
 __all__ = ["register", "render", "chosen_modules", "restrict", "USED_FIELDS"]
 
@@ -51,27 +50,7 @@ def chosen_modules(
             patterns together leave no module.
     """
     known = list(dict.fromkeys(names))
-    for field, patterns in (("include_modules", include), ("exclude_modules", exclude)):
-        for pattern in patterns:
-            if not any(fnmatchcase(name, pattern) for name in known):
-                near = difflib.get_close_matches(pattern, [n for n in known if n], n=3, cutoff=0.5)
-                hint = f"; did you mean {', '.join(repr(n) for n in near)}?" if near else ""
-                raise ConfigError(
-                    f"{field}: the pattern {pattern!r} matches none of the {len(known)} modules in {source}{hint} "
-                    f"(they are: {_names(known)}; `*` matches any characters, dots included)"
-                )
-    chosen = frozenset(
-        name
-        for name in known
-        if (not include or any(fnmatchcase(name, p) for p in include))
-        and not any(fnmatchcase(name, p) for p in exclude)
-    )
-    if not chosen:
-        raise ConfigError(
-            f"include_modules={list(include)} and exclude_modules={list(exclude)} leave none of the {len(known)} "
-            f"modules in {source} ({_names(known)})"
-        )
-    return chosen
+    return frozenset(select_names(known, include, exclude, among=f"the {len(known)} modules in {source}"))
 
 
 def restrict(block: Block, modules: Collection[str] | None = None, max_frames: int | None = None) -> Block:

@@ -10,14 +10,14 @@ of a distributed run takes the same decisions without talking to the others.
 from __future__ import annotations
 
 import difflib
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from fnmatch import fnmatchcase
 
 import torch
 
 from nanwatch.core.config import ConfigError, WatchConfig
 
-__all__ = ["BatchSchedule", "select_modules", "ROOT_NAME"]
+__all__ = ["BatchSchedule", "select_modules", "select_names", "ROOT_NAME"]
 
 # How the messages and the summary name the root module, whose qualified name is "".
 ROOT_NAME = "(root)"
@@ -43,31 +43,55 @@ def select_modules(
     if not include and not exclude:
         return pairs
     names = [name for name, _ in pairs]
+    chosen = set(select_names(names, include, exclude, among=f"the model's {len(names)} modules"))
+    return [(name, module) for name, module in pairs if name in chosen]
+
+
+def select_names(names: Sequence[str], include: Sequence[str], exclude: Sequence[str], *, among: str) -> list[str]:
+    """The names (in order, once each) that match an `include` pattern (any, when empty) and no `exclude` pattern.
+
+    The one rule for every place that takes `include_modules`/`exclude_modules`: watching a model, and the
+    `nanwatch show`/`diff`/`plot` commands reading a report or trace.
+
+    Args:
+        names: qualified module names (the root is "").
+        include: glob patterns; empty selects every name.
+        exclude: glob patterns applied after `include`.
+        among: how messages name the set, e.g. "the model's 55 modules" or "the 5 modules in trace.jsonl".
+
+    Raises:
+        ConfigError: a pattern matches none of `names` (the message names it and suggests near names), or the
+            patterns together leave none.
+    """
+    known = list(dict.fromkeys(names))
     for field, patterns in (("include_modules", include), ("exclude_modules", exclude)):
         for pattern in patterns:
-            if not any(fnmatchcase(name, pattern) for name in names):
-                raise ConfigError(_no_match(field, pattern, names))
+            if not any(fnmatchcase(name, pattern) for name in known):
+                raise ConfigError(_no_match(field, pattern, known, among))
     chosen = [
-        (name, module)
-        for name, module in pairs
+        name
+        for name in known
         if (not include or any(fnmatchcase(name, p) for p in include))
         and not any(fnmatchcase(name, p) for p in exclude)
     ]
     if not chosen:
         raise ConfigError(
-            f"include_modules={include} and exclude_modules={exclude} leave no module to watch "
-            f"(of {len(names)}: {', '.join(_shown(n) for n in names[:6])}{', ...' if len(names) > 6 else ''})"
+            f"include_modules={list(include)} and exclude_modules={list(exclude)} leave none of {among} "
+            f"({_examples(known)})"
         )
     return chosen
 
 
-def _no_match(field: str, pattern: str, names: list[str]) -> str:
+def _examples(names: list[str]) -> str:
+    return ", ".join(_shown(n) for n in names[:6]) + (", ..." if len(names) > 6 else "")
+
+
+def _no_match(field: str, pattern: str, names: list[str], among: str) -> str:
     near = difflib.get_close_matches(pattern, [n for n in names if n], n=3, cutoff=0.5)
     hint = f"; did you mean {', '.join(repr(n) for n in near)}?" if near else ""
-    examples = ", ".join(_shown(n) for n in names[:6]) + (", ..." if len(names) > 6 else "")
     return (
-        f"{field}: the pattern {pattern!r} matches none of the model's {len(names)} modules{hint} "
-        f"(module names look like: {examples}; `*` matches any characters, dots included)"
+        f"{field}: the pattern {pattern!r} matches none of {among}{hint} "
+        f"(module names look like: {_examples(names)}; `*` matches any characters, dots included)"
     )
 
 
