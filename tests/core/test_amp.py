@@ -107,6 +107,100 @@ def test_step_called_before_the_scaler_steps_confirms_the_skip_later() -> None:
     assert handle.optimizer_step == 2
 
 
+def _scale_history_of_a_loop(*, step_first: bool, accumulate: int) -> tuple[list[tuple[int, float]], WatchHandle]:
+    """8 micro-batches, an optimizer step every `accumulate`; `handle.step()` before `scaler.step()` or after
+    `scaler.update()`. The scale starts far too high, so the first steps are skipped."""
+    model = _fp16_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**19, growth_interval=2)
+    with watch(model, optimizer=optimizer, scaler=scaler, watch_gradients=True) as handle:
+        for batch in range(8):
+            _fp16_step(model, scaler, optimizer)
+            if step_first:
+                handle.step()
+            if batch % accumulate == accumulate - 1:
+                scaler.step(optimizer)
+                scaler.update()
+                optimizer.zero_grad()
+            if not step_first:
+                handle.step()
+    monitor = handle.watcher.loss_scale  # closed: the last micro-batch's step is read too
+    assert monitor is not None
+    assert monitor.overflows
+    assert all(overflow.skipped for overflow in monitor.overflows)
+    return [(record.batch_number, record.scale) for record in monitor.history().records], handle
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_skips_seen_with_step_before_the_scaler_are_put_on_the_batch_that_stepped(accumulate: int) -> None:
+    # With step() first, a skip's drop is read as the next micro-batch starts, and put on the one that stepped.
+    history, handle = _scale_history_of_a_loop(step_first=True, accumulate=accumulate)
+    history_after, handle_after = _scale_history_of_a_loop(step_first=False, accumulate=accumulate)
+    assert history == history_after
+    assert handle.optimizer_step == handle_after.optimizer_step
+    if accumulate == 1:
+        assert history == [
+            (0, 2.0**19),
+            (0, 2.0**18),
+            (1, 2.0**17),
+            (2, 2.0**16),
+            (3, 2.0**15),
+            (5, 2.0**16),
+            (6, 2.0**15),
+        ]
+        assert handle.optimizer_step == 3
+    else:  # the scaler steps on micro-batches 1, 3, 5, 7
+        assert history == [(0, 2.0**19), (1, 2.0**18), (3, 2.0**17), (5, 2.0**16), (7, 2.0**15)]
+        assert handle.optimizer_step == 0
+
+
+@pytest.mark.parametrize("step_first", [True, False], ids=["step-before-scaler", "step-after-update"])
+def test_inf_gradients_let_through_after_a_skipped_step_never_reach_the_weights(
+    tmp_path: Path, step_first: bool
+) -> None:
+    # Batch 0: the float16 bias gradient overflows at 65536, the scaler skips and halves the scale. Batch 1: at 32768
+    # the parameters' gradients are finite, so the scaler steps, but the input's gradient (never checked by the
+    # scaler) is inf. Read in step() before scaler.step(), batch 0's drop must not pass for batch 1's skip.
+    torch.manual_seed(0)
+    model = nn.Sequential(InfInBackward(), nn.Linear(4, 4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    handle = watch(model, optimizer=optimizer, scaler=scaler, watch_gradients=True, report_dir=tmp_path)
+    weights: list[torch.Tensor] = []
+    stages: list[str] = []
+
+    def loop() -> None:
+        for _ in range(3):
+            weights.append(model[1].weight.detach().clone())
+            x = (torch.randn(1, 4) * 0.01).requires_grad_()
+            with torch.autocast("cpu", dtype=torch.float16):
+                out = model(x)
+            scaler.scale(out.float().sum()).backward()
+            if step_first:
+                stages.append("handle.step")
+                handle.step()
+            stages.append("scaler.step")
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad()
+            if not step_first:
+                stages.append("handle.step")
+                handle.step()
+
+    with pytest.raises(NonFiniteError) as info:
+        loop()
+    handle.close()
+    assert stages[-1] == "scaler.step"  # raised by the optimizer's step pre-hook...
+    assert len(weights) == 2  # ...in batch 1
+    assert torch.equal(weights[0], weights[1])  # batch 0 was skipped by the scaler
+    assert torch.equal(model[1].weight, weights[1])  # batch 1's step never ran
+    assert handle.optimizer_step == 0
+    assert info.value.batch_number == 1
+    assert info.value.module_name == "0"
+    assert "Loss scale (GradScaler): 65536 at batch 0 -> 32768 at batch 0;" in info.value.report
+    assert "Detected inf/nan during batch_number=1" in (tmp_path / "nanwatch-report-rank0-batch1.txt").read_text()
+
+
 def test_the_scale_history_follows_many_skips_and_growth() -> None:
     model = _fp16_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -6,6 +6,7 @@ check before every optimizer step, so a step that would apply inf/nan never runs
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -16,6 +17,7 @@ from nanwatch.core.amp import GradScalerLike
 from nanwatch.core.config import WatchConfig, resolve_config
 from nanwatch.core.ranks import GlobalDetection
 from nanwatch.core.watcher import Watcher
+from nanwatch.errors import LossScaleBelowFloor
 
 __all__ = ["watch", "WatchHandle", "unwrap_model"]
 
@@ -45,12 +47,16 @@ class WatchHandle:
         self.watcher = Watcher(self.model, config)
         if scaler is not None:
             self.watcher.watch_scaler(scaler)  # before attach: a bad scaler raises with no hook left behind
+            # Read as each micro-batch starts (see _before_top_forward), not in step(): the loop may call step()
+            # before scaler.step(), and a drop read there would be put on the wrong batch.
+            self.watcher.read_scale_at_batch_end = False
         self.watcher.attach()
         # Registered after the watcher's own hooks, so on the root they run after its frame was recorded.
         self.watcher.hooks.add_forward_pre(self.model, self._before_top_forward)
         self.watcher.hooks.add_forward(self.model, self._after_top_forward)
         self._closed = False
         self._forward_since_step = False
+        self._scale_unread = False  # a micro-batch ended; the scaler's verdict on its step is not read yet
         if optimizer is not None:
             self.guard(optimizer)
 
@@ -84,6 +90,9 @@ class WatchHandle:
         if phase != self.watcher.phase:
             self.watcher.set_phase(phase)
         if phase == "train":
+            # The first forward of a micro-batch: the previous one's scaler.step() and update() are done, whether
+            # step() came before or after them, so a change of the scale seen now is that micro-batch's.
+            self._read_scale_of_last_batch()
             self._forward_since_step = True
 
     def _after_top_forward(self, module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
@@ -130,6 +139,13 @@ class WatchHandle:
         self._forward_since_step = False
         # If the optimizer guard already agreed during this micro-batch, end_batch() runs no second collective.
         self.watcher.end_batch()
+        self._scale_unread = True
+
+    def _read_scale_of_last_batch(self) -> None:
+        # One read of the loss scale per micro-batch (none without a scaler); may raise LossScaleBelowFloor.
+        if self._scale_unread:
+            self._scale_unread = False
+            self.watcher.follow_loss_scale(self.watcher.batch_number - 1)
 
     def watch_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """Record the loss (computed outside the model) as a frame of its own, module `(loss)`; returns `loss`.
@@ -168,6 +184,8 @@ class WatchHandle:
         self._closed = True
         try:
             self.watcher.flush()
+            with contextlib.suppress(LossScaleBelowFloor):  # published (written and logged); close() never raises it
+                self._read_scale_of_last_batch()  # the last micro-batch's step, if step() came before it
         finally:
             self.watcher.detach()
 
@@ -186,6 +204,8 @@ class WatchHandle:
         self._closed = True
         try:
             local = self.watcher.check_safely()
+            if local is None:
+                self._read_scale_of_last_batch()
         finally:
             self.watcher.detach()
         if local is not None:

@@ -16,8 +16,10 @@ working as designed, not a bug. So, with a scaler attached, a detection is judge
 - the scale below `min_loss_scale`: raised as `LossScaleBelowFloor`. Each skipped step halves the scale; a scale
   that keeps falling means gradients overflow however small the scale is, i.e. the values themselves are inf/nan.
 
-The scale is read once per training batch (`get_scale()`, one scalar, after the batch check, which synchronises
-anyway) and every change is kept: that is the history shown in the report. The scale is the same on every rank
+The scale is read once per training batch (`get_scale()`, one scalar) and every change is kept, on the micro-batch
+whose optimizer step caused it: that is the history shown in the report. The framework adapters read it after the
+batch check, which synchronises anyway; the plain loop reads it as the next micro-batch starts, since its `step()`
+may come before or after `scaler.step()`. The scale is the same on every rank
 (`scaler.step` decides from gradients all ranks share after their all-reduce), so every rank reaches the floor at
 the same batch and raises there without a collective.
 """
@@ -176,6 +178,7 @@ class LossScaleMonitor:
         self.gradient_overflow_count = 0
         self.overflows: deque[GradientOverflow] = deque(maxlen=_MAX_OVERFLOWS)
         self._applying = False
+        self._skipping = False  # an optimizer step with found_inf set is under way: it skips itself
         self._fatal: Report | None = None
 
     @property
@@ -245,15 +248,16 @@ class LossScaleMonitor:
         # The scale already went down since the previous reading: the step these gradients belong to was skipped,
         # and they were computed at the scale before that backoff.
         computed_at = before if went_down and before is not None else scale
-        overflow = GradientOverflow(report, computed_at, skipped=went_down)
+        overflow = GradientOverflow(report, computed_at, skipped=went_down or self._skipping)
         self.overflows.append(overflow)
         self.gradient_overflow_count += 1
         where = f", first in module {report.module_name!r} (backward)" if report.module_name is not None else ""
-        verdict = (
-            f"the GradScaler skipped its step (scale now {_number(scale)})"
-            if went_down
-            else "expected if the GradScaler skips its step"
-        )
+        if went_down:
+            verdict = f"the GradScaler skipped its step (scale now {_number(scale)})"
+        elif self._skipping:
+            verdict = "the optimizer skips its step (found_inf)"
+        else:
+            verdict = "expected if the GradScaler skips its step"
         self.logger.info(
             f"nanwatch: inf/nan gradients during batch_number={report.batch_number}{where} at loss scale "
             f"{_number(computed_at)}: {verdict}; going on"
@@ -275,6 +279,7 @@ class LossScaleMonitor:
             for overflow in self.overflows:
                 overflow.skipped = True
             self._applying = False
+            self._skipping = True  # and so are those the check in this same pre-hook finds
             return
         self._applying = True
         unconfirmed = [overflow for overflow in self.overflows if not overflow.skipped]
@@ -287,6 +292,7 @@ class LossScaleMonitor:
 
     def step_done(self) -> None:
         self._applying = False
+        self._skipping = False
 
     def floor_detection(
         self,

@@ -94,6 +94,8 @@ class Watcher:
         self._capture: ReplayCapture | None = None  # only with capture_on_detect: off, it costs nothing
         self._gradients: GradientRecorder | None = None  # only with watch_gradients (see core/gradients.py)
         self._amp: LossScaleMonitor | None = None  # only once watch_scaler() was called (see core/amp.py)
+        # False: the adapter reads the loss scale itself, once per micro-batch, with follow_loss_scale().
+        self.read_scale_at_batch_end = True
         self.schedule = BatchSchedule(config)
         self._summaries = SummaryCollector(config.summary_every_n_batches)
         # Where a due summary goes; adapters replace it with their framework's logging, or None (no read-back).
@@ -566,10 +568,21 @@ class Watcher:
         """The scaler follower (its `history()`, `overflows`), or None without a scaler."""
         return self._amp
 
-    def _follow_loss_scale(self, amp: LossScaleMonitor) -> None:
-        amp.step_done()
+    def follow_loss_scale(self, batch_number: int) -> None:
+        """Read the loss scale now (one scalar) and put a change on training micro-batch `batch_number`.
+
+        For an adapter that sets `read_scale_at_batch_end = False`: the plain loop reads it as the next micro-batch
+        starts, after the scaler decided the previous one's step, whichever side of it the loop ended that batch.
+
+        Raises:
+            LossScaleBelowFloor: the scale is below `min_loss_scale` (on every rank alike).
+        """
+        if self._amp is not None:
+            self._follow_loss_scale(self._amp, batch_number)
+
+    def _follow_loss_scale(self, amp: LossScaleMonitor, batch_number: int) -> None:
         try:
-            scale = amp.observe(self.batch_number, self.optimizer_step)
+            scale = amp.observe(batch_number, self.optimizer_step)
         except Exception as failure:  # a scaler we cannot read must not kill a healthy run
             self.logger.warning(f"nanwatch could not read the GradScaler's scale (the run goes on): {failure!r}")
             return
@@ -577,7 +590,7 @@ class Watcher:
             return
         report, error = amp.floor_detection(
             scale,
-            batch_number=self.batch_number,
+            batch_number=batch_number,
             rank=self.rank,
             world_size=self.world_size,
             optimizer_step=self.optimizer_step,
@@ -622,7 +635,9 @@ class Watcher:
             self.eval_batch_number += 1
             return
         if self._amp is not None:
-            self._follow_loss_scale(self._amp)  # may raise LossScaleBelowFloor, on every rank alike
+            self._amp.step_done()
+            if self.read_scale_at_batch_end:
+                self._follow_loss_scale(self._amp, self.batch_number)  # may raise LossScaleBelowFloor, on every rank
         self.batch_number += 1
         # The optimizer may have written the weights in a way `_version` does not show (fused kernels, `p.data`).
         self._cache.forget_parameters()
