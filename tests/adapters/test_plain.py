@@ -9,9 +9,7 @@ nanwatch gives up watching.
 from __future__ import annotations
 
 import json
-import logging
 import math
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -43,18 +41,6 @@ def _model() -> nn.Sequential:
 
 
 FRAMES_PER_FORWARD = 5  # 4 children and the root
-
-
-@pytest.fixture
-def nanwatch_log(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCaptureFixture]:
-    """caplog for the `nanwatch` logger, which does not propagate to the root logger caplog listens on."""
-    logger = logging.getLogger("nanwatch")
-    logger.addHandler(caplog.handler)
-    caplog.set_level(logging.INFO, logger="nanwatch")
-    try:
-        yield caplog
-    finally:
-        logger.removeHandler(caplog.handler)
 
 
 _MODULE_HOOK_DICTS = (

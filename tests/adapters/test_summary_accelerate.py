@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,7 +16,6 @@ from accelerate.tracking import GeneralTracker  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from nanwatch.adapters.accelerate import OverflowTracker  # noqa: E402
-from nanwatch.core.log import get_logger  # noqa: E402
 
 
 class RecordingTracker(GeneralTracker):  # type: ignore[misc]
@@ -48,18 +46,6 @@ def fresh_accelerate_state() -> Iterator[None]:
     yield
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
-
-
-@pytest.fixture
-def nanwatch_log(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCaptureFixture]:
-    """caplog for the `nanwatch` logger, which does not propagate to the root logger caplog listens on."""
-    logger = get_logger()
-    logger.addHandler(caplog.handler)
-    caplog.set_level(logging.INFO, logger="nanwatch")
-    try:
-        yield caplog
-    finally:
-        logger.removeHandler(caplog.handler)
 
 
 def train(trackers: list[GeneralTracker], overflow: OverflowTracker, micro_batches: int = 8) -> list[float]:

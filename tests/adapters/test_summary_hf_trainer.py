@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import logging
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +15,6 @@ pytest.importorskip("transformers")
 from transformers import TrainerCallback  # noqa: E402
 
 from nanwatch.adapters.hf_trainer import OverflowTrainerCallback  # noqa: E402
-from nanwatch.core.log import get_logger  # noqa: E402
 
 SCRIPTS = Path(__file__).parent / "scripts"
 sys.path.insert(0, str(SCRIPTS))
@@ -36,18 +34,6 @@ class LogsSeen(TrainerCallback):
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
         self.logs.append(dict(logs or {}))
-
-
-@pytest.fixture
-def nanwatch_log(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCaptureFixture]:
-    """caplog for the `nanwatch` logger, which does not propagate to the root logger caplog listens on."""
-    logger = get_logger()
-    logger.addHandler(caplog.handler)
-    caplog.set_level(logging.INFO, logger="nanwatch")
-    try:
-        yield caplog
-    finally:
-        logger.removeHandler(caplog.handler)
 
 
 def summaries(history: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import csv
-import logging
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,7 +15,6 @@ from lightning.pytorch.loggers import CSVLogger  # noqa: E402
 
 from nanwatch import NonFiniteError  # noqa: E402
 from nanwatch.adapters.lightning import OverflowCallback  # noqa: E402
-from nanwatch.core.log import get_logger  # noqa: E402
 
 SCRIPTS = Path(__file__).parent / "scripts"
 sys.path.insert(0, str(SCRIPTS))
@@ -31,18 +28,6 @@ pytestmark = pytest.mark.filterwarnings(
 )
 
 MODULES = ["act", "blowup", "inp", "out"]
-
-
-@pytest.fixture
-def nanwatch_log(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCaptureFixture]:
-    """caplog for the `nanwatch` logger, which does not propagate to the root logger caplog listens on."""
-    logger = get_logger()
-    logger.addHandler(caplog.handler)
-    caplog.set_level(logging.INFO, logger="nanwatch")
-    try:
-        yield caplog
-    finally:
-        logger.removeHandler(caplog.handler)
 
 
 def test_the_summary_reaches_a_csv_logger(tmp_path: Path) -> None:

@@ -10,12 +10,11 @@ from __future__ import annotations
 import json
 import logging
 import pickle
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-from tests.amp_models import InfInBackward
+from tests.backward_faults import InfInBackward
 from torch import nn
 
 from nanwatch import ConfigError, LossScaleBelowFloor, NonFiniteError, WatchConfig, WatchHandle, watch
@@ -23,17 +22,6 @@ from nanwatch.core.amp import LossScaleHistory, ScaleRecord
 from nanwatch.core.frames import resolve
 from nanwatch.core.gradients import is_backward_frame
 from nanwatch.core.watcher import Watcher
-
-
-@pytest.fixture
-def nanwatch_log(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCaptureFixture]:
-    logger = logging.getLogger("nanwatch")
-    logger.addHandler(caplog.handler)
-    caplog.set_level(logging.INFO, logger="nanwatch")
-    try:
-        yield caplog
-    finally:
-        logger.removeHandler(caplog.handler)
 
 
 def _fp16_model() -> nn.Linear:

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+from tests.backward_faults import NanInBackward
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -25,23 +26,6 @@ class SqrtAt0(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.sqrt(x)
-
-
-class _NanBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        return grad * float("nan")
-
-
-class NanInBackward(nn.Module):
-    """The identity forward, a nan gradient backward: a fault that exists only in backward."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _NanBackward.apply(x)
 
 
 def _backward_lines(frames: list[ResolvedFrame]) -> list[tuple[str, str]]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -15,22 +14,9 @@ from torch import nn
 import nanwatch
 from nanwatch import ConfigError, NonFiniteError, WatchConfig
 from nanwatch.core.headroom import TARGET_DTYPES, limits_of
-from nanwatch.core.log import get_logger
 from nanwatch.core.watcher import Watcher
 
 WARNING_HEAD = "nanwatch: numbers near their dtype's limits during"
-
-
-@pytest.fixture
-def nanwatch_log(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCaptureFixture]:
-    """The nanwatch logger does not propagate: hand it caplog's handler for the test."""
-    logger = get_logger()  # first: it sets the logger up (propagate=False) only if it has no handler yet
-    logger.addHandler(caplog.handler)
-    caplog.handler.setLevel(logging.INFO)
-    try:
-        yield caplog
-    finally:
-        logger.removeHandler(caplog.handler)
 
 
 def _messages(log: pytest.LogCaptureFixture, start: str = WARNING_HEAD) -> list[str]:

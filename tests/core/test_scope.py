@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
 
 import pytest
 import torch
 
 import nanwatch
 from nanwatch import ConfigError, NonFiniteError, WatchConfig
-from nanwatch.core.log import get_logger
 from nanwatch.core.scope import BatchSchedule, select_modules
 from nanwatch.core.watcher import Watcher
 
@@ -39,18 +37,6 @@ class Net(torch.nn.Module):
 
 def hooked(model: torch.nn.Module) -> set[str]:
     return {name for name, module in model.named_modules() if module._forward_hooks}
-
-
-@pytest.fixture
-def nanwatch_log(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCaptureFixture]:
-    """caplog for the `nanwatch` logger, which does not propagate to the root logger caplog listens on."""
-    logger = get_logger()
-    logger.addHandler(caplog.handler)
-    caplog.set_level(logging.INFO, logger="nanwatch")
-    try:
-        yield caplog
-    finally:
-        logger.removeHandler(caplog.handler)
 
 
 # ------------------------------------------------------------------------------------------------------- modules

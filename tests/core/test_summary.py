@@ -4,27 +4,13 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterator
 
 import pytest
 import torch
 
 from nanwatch import WatchConfig
-from nanwatch.core.log import get_logger
 from nanwatch.core.summary import Summary
 from nanwatch.core.watcher import Watcher
-
-
-@pytest.fixture
-def nanwatch_log(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCaptureFixture]:
-    """caplog for the `nanwatch` logger, which does not propagate to the root logger caplog listens on."""
-    logger = get_logger()
-    logger.addHandler(caplog.handler)
-    caplog.set_level(logging.INFO, logger="nanwatch")
-    try:
-        yield caplog
-    finally:
-        logger.removeHandler(caplog.handler)
 
 
 def amax(*tensors: torch.Tensor) -> float:

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import logging
 import math
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -42,18 +40,6 @@ def _resolved(watcher: Watcher) -> list[ResolvedFrame]:
 def _entry(frame: ResolvedFrame, label: str) -> tuple[float | int | None, float | int | None]:
     entry = next(e for e in frame.entries if e.label == label)
     return entry.abs_min, entry.abs_max
-
-
-@pytest.fixture
-def nanwatch_log(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCaptureFixture]:
-    """caplog for the `nanwatch` logger, which does not propagate to the root logger caplog listens on."""
-    logger = logging.getLogger("nanwatch")
-    logger.addHandler(caplog.handler)
-    caplog.set_level(logging.INFO, logger="nanwatch")
-    try:
-        yield caplog
-    finally:
-        logger.removeHandler(caplog.handler)
 
 
 def _our_hook_count(model: nn.Module) -> int:

@@ -159,13 +159,8 @@ class OverflowTrainerCallback(TrainerCallback):  # type: ignore[misc,unused-igno
         # before its step: read again now, so a drop is put on the micro-batch whose gradients caused it, and the next
         # check does not take that drop for a skip of its own step.
         watcher = self.watcher
-        monitor = None if watcher is None else watcher.loss_scale
-        if watcher is None or monitor is None:
-            return
-        try:
-            monitor.observe(watcher.batch_number - 1, state.global_step)  # the floor is checked at the next batch end
-        except Exception as failure:  # a scaler we cannot read must not kill a healthy run
-            watcher.logger.warning(f"nanwatch could not read the GradScaler's scale (the run goes on): {failure!r}")
+        if watcher is not None:
+            watcher.observe_loss_scale(watcher.batch_number - 1, state.global_step)  # floor: at the next batch end
 
     def _after_scaled_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         # The step is over: gradients of the next micro-batch are not judged by it.

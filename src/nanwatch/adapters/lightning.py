@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 from torch import Tensor
 from torch.optim import Optimizer
 
-from nanwatch.core.amp import GradScalerLike
+from nanwatch.core.amp import GradScalerLike, scaler_of
 from nanwatch.core.config import WatchConfig, resolve_config
 from nanwatch.core.summary import Summary
 from nanwatch.core.watcher import Watcher
@@ -90,8 +90,8 @@ class OverflowCallback(Callback):
             watcher.summary_sink = None  # Lightning's loggers write on rank zero only: no read-back elsewhere
         elif trainer.loggers:  # without any, the summary goes to the "nanwatch" logger
             watcher.summary_sink = lambda summary: _log_summary(trainer, summary)
-        scaler = getattr(trainer.precision_plugin, "scaler", None)  # MixedPrecision("16-mixed") and FSDP's have one
-        if isinstance(scaler, GradScalerLike):
+        scaler = scaler_of(trainer.precision_plugin)  # MixedPrecision("16-mixed") and FSDP's have one
+        if scaler is not None:
             _follow_scaler(watcher, scaler, trainer.optimizers)
         self.watcher = watcher
 

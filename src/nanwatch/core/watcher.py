@@ -580,12 +580,23 @@ class Watcher:
         if self._amp is not None:
             self._follow_loss_scale(self._amp, batch_number)
 
-    def _follow_loss_scale(self, amp: LossScaleMonitor, batch_number: int) -> None:
+    def observe_loss_scale(self, batch_number: int, optimizer_step: int | None = None) -> float | None:
+        """Read the loss scale now (one scalar) and put a change on training micro-batch `batch_number`; no floor check.
+
+        Returns:
+            The scale, or None without a scaler, or when it could not be read (logged: the run goes on).
+        """
+        amp = self._amp
+        if amp is None:
+            return None
         try:
-            scale = amp.observe(batch_number, self.optimizer_step)
+            return amp.observe(batch_number, self.optimizer_step if optimizer_step is None else optimizer_step)
         except Exception as failure:  # a scaler we cannot read must not kill a healthy run
             self.logger.warning(f"nanwatch could not read the GradScaler's scale (the run goes on): {failure!r}")
-            return
+            return None
+
+    def _follow_loss_scale(self, amp: LossScaleMonitor, batch_number: int) -> None:
+        scale = self.observe_loss_scale(batch_number)
         if scale is None or not amp.below_floor(scale):
             return
         report, error = amp.floor_detection(

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
@@ -83,3 +87,13 @@ def snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def same_weights(model: torch.nn.Module, saved: dict[str, torch.Tensor]) -> bool:
     return all(torch.equal(value, saved[name]) for name, value in model.state_dict().items())
+
+
+def finish_rank(out: Path, rank: int, record: dict[str, Any], error: BaseException | None) -> int:
+    """End a torchrun rank: write DIR/outcome-rank{R}.json, leave the process group, then let `error` end the process
+    (non-zero exit) so the launcher sees it, as an uncaught error would."""
+    (out / f"outcome-rank{rank}.json").write_text(json.dumps(record), encoding="utf-8")
+    dist.destroy_process_group()
+    if error is not None:
+        raise error
+    return 0

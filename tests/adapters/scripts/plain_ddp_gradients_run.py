@@ -10,14 +10,13 @@ end the process (non-zero exit).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from blowup_models import SumDataset, same_weights, snapshot
+from blowup_models import SumDataset, finish_rank, same_weights, snapshot
 from torch.nn.parallel import DistributedDataParallel
 
 import nanwatch
@@ -93,11 +92,7 @@ def main() -> int:
     record["weights_finite"] = all(bool(torch.isfinite(p).all()) for p in model.parameters())
     record["steps_done"] = steps_done
     record["parameter_hooks_left"] = sum(len(p._post_accumulate_grad_hooks or {}) for p in model.parameters())
-    (options.out / f"outcome-rank{rank}.json").write_text(json.dumps(record), encoding="utf-8")
-    dist.destroy_process_group()
-    if error is not None:
-        raise error
-    return 0
+    return finish_rank(options.out, rank, record, error)
 
 
 if __name__ == "__main__":

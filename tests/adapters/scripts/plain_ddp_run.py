@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import sys
 import time
 from pathlib import Path
@@ -17,7 +16,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from blowup_models import SumDataset, TinyRegressor, hook_count, same_weights, snapshot
+from blowup_models import SumDataset, TinyRegressor, finish_rank, hook_count, same_weights, snapshot
 from torch.nn.parallel import DistributedDataParallel
 
 import nanwatch
@@ -75,11 +74,7 @@ def main() -> int:
     record["optimizer_hooks_left"] = len(optimizer._optimizer_step_pre_hooks) + len(
         optimizer._optimizer_step_post_hooks
     )
-    (options.out / f"outcome-rank{rank}.json").write_text(json.dumps(record), encoding="utf-8")
-    dist.destroy_process_group()
-    if error is not None:
-        raise error
-    return 0
+    return finish_rank(options.out, rank, record, error)
 
 
 if __name__ == "__main__":

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from blowup_models import SumDataset, TinyRegressor
+from blowup_models import SumDataset, TinyRegressor, finish_rank
 from torch.nn.parallel import DistributedDataParallel
 
 import nanwatch
@@ -58,11 +57,7 @@ def main() -> int:
     except nanwatch.NonFiniteError as caught:
         error = caught
         record["error"] = {"batch_number": caught.batch_number, "rank": caught.rank, "module": caught.module_name}
-    (options.out / f"outcome-rank{rank}.json").write_text(json.dumps(record), encoding="utf-8")
-    dist.destroy_process_group()
-    if error is not None:
-        raise error
-    return 0
+    return finish_rank(options.out, rank, record, error)
 
 
 if __name__ == "__main__":
