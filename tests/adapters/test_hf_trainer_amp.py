@@ -210,16 +210,16 @@ def test_the_scale_falling_below_the_floor_stops_the_run_with_the_report_on_disk
     with pytest.raises(LossScaleBelowFloor) as info:
         trainer.train()
     error = info.value
-    # 4 -> 2 -> 1 -> 0.5 after steps 0-2 were skipped, read after each step; the floor is checked at batch 3's end.
-    assert error.batch_number == 3
+    # 4 -> 2 -> 1 -> 0.5 after steps 0-2 were skipped, read after each step: the third skip is batch 2's.
+    assert error.batch_number == 2
     assert (error.loss_scale, error.min_loss_scale) == (0.5, 1.0)
     assert [scale for _, _, scale in error.scale_history] == [4.0, 2.0, 1.0, 0.5]
     assert error.module_name == "after"  # where the last overflow first appeared (backward)
-    assert "below min_loss_scale=1" in str(error)
-    text = (tmp_path / "reports" / "nanwatch-report-rank0-batch3.txt").read_text()
+    assert "fell to 0.5 at batch_number=2, below min_loss_scale=1" in str(error)
+    text = (tmp_path / "reports" / "nanwatch-report-rank0-batch2.txt").read_text()
     assert text.rstrip("\n") == error.report
     assert "Loss scale (GradScaler): 4 at batch 0 -> 2 at batch 0 -> 1 at batch 1 -> 0.5 at batch 2" in text
-    data = json.loads((tmp_path / "reports" / "nanwatch-report-rank0-batch3.json").read_text())
+    data = json.loads((tmp_path / "reports" / "nanwatch-report-rank0-batch2.json").read_text())
     assert data["loss_scale"]["skipped_steps"] == 3
     assert callback.watcher is None
     assert callback.loss_scale is not None

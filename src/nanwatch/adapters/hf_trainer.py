@@ -156,11 +156,12 @@ class OverflowTrainerCallback(TrainerCallback):  # type: ignore[misc,unused-igno
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         # After `scaler.step` and `scaler.update`, skipped or not. The micro-batch's own reading (in end_batch) came
-        # before its step: read again now, so a drop is put on the micro-batch whose gradients caused it, and the next
-        # check does not take that drop for a skip of its own step.
+        # before its step: read again now, so a drop (and a fall below the floor) is put on the micro-batch whose
+        # gradients caused it, and the next check does not take that drop for a skip of its own step. The scale is
+        # the same on every rank, so every rank stops here alike.
         watcher = self.watcher
         if watcher is not None:
-            watcher.observe_loss_scale(watcher.batch_number - 1, state.global_step)  # floor: at the next batch end
+            self._stopping(lambda: watcher.follow_loss_scale(watcher.batch_number - 1, state.global_step))
 
     def _after_scaled_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         # The step is over: gradients of the next micro-batch are not judged by it.

@@ -568,17 +568,18 @@ class Watcher:
         """The scaler follower (its `history()`, `overflows`), or None without a scaler."""
         return self._amp
 
-    def follow_loss_scale(self, batch_number: int) -> None:
-        """Read the loss scale now (one scalar) and put a change on training micro-batch `batch_number`.
+    def follow_loss_scale(self, batch_number: int, optimizer_step: int | None = None) -> None:
+        """Read the loss scale now (one scalar), put a change on training micro-batch `batch_number`, check the floor.
 
-        For an adapter that sets `read_scale_at_batch_end = False`: the plain loop reads it as the next micro-batch
-        starts, after the scaler decided the previous one's step, whichever side of it the loop ended that batch.
+        For an adapter that reads the scale itself: the plain loop (`read_scale_at_batch_end = False`) reads it as the
+        next micro-batch starts, after the scaler decided the previous one's step, whichever side of it the loop
+        ended that batch; the HF Trainer callback reads it right after each optimizer step.
 
         Raises:
-            LossScaleBelowFloor: the scale is below `min_loss_scale` (on every rank alike).
+            LossScaleBelowFloor: the scale is below `min_loss_scale` (on every rank alike), named after `batch_number`.
         """
         if self._amp is not None:
-            self._follow_loss_scale(self._amp, batch_number)
+            self._follow_loss_scale(self._amp, batch_number, optimizer_step)
 
     def observe_loss_scale(self, batch_number: int, optimizer_step: int | None = None) -> float | None:
         """Read the loss scale now (one scalar) and put a change on training micro-batch `batch_number`; no floor check.
@@ -595,8 +596,9 @@ class Watcher:
             self.logger.warning(f"nanwatch could not read the GradScaler's scale (the run goes on): {failure!r}")
             return None
 
-    def _follow_loss_scale(self, amp: LossScaleMonitor, batch_number: int) -> None:
-        scale = self.observe_loss_scale(batch_number)
+    def _follow_loss_scale(self, amp: LossScaleMonitor, batch_number: int, optimizer_step: int | None = None) -> None:
+        step = self.optimizer_step if optimizer_step is None else optimizer_step
+        scale = self.observe_loss_scale(batch_number, step)
         if scale is None or not amp.below_floor(scale):
             return
         report, error = amp.floor_detection(
@@ -604,7 +606,7 @@ class Watcher:
             batch_number=batch_number,
             rank=self.rank,
             world_size=self.world_size,
-            optimizer_step=self.optimizer_step,
+            optimizer_step=step,
             epoch=self.epoch,
         )
         self.publish(report)
