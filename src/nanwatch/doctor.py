@@ -45,7 +45,7 @@ __all__ = ["register", "find_free_port", "torchrun_command", "USED_FIELDS", "SUM
 
 DEFAULT_TIMEOUT_S = 60.0
 
-# Testing aid (documented in the README): the rank named here sleeps instead of entering the barrier, so the
+# Testing aid (documented in docs/doctor.md): the rank named here sleeps instead of entering the barrier, so the
 # other ranks see a real process that joined the group but never arrives, and must name it.
 SIMULATE_ABSENT_RANK_ENV = "NANWATCH_DOCTOR_SIMULATE_ABSENT_RANK"
 # Set by `nanwatch doctor --nproc` for the workers it starts: each one touches a file there, so the launcher can tell
