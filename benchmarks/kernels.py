@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import json
 import platform
 import shutil
 import statistics
@@ -43,7 +42,7 @@ from nanwatch.core import stats
 from nanwatch.core.watcher import Watcher
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from overhead import build_model  # noqa: E402  (the same model as the overhead benchmark)
+from overhead import build_model, write_results  # noqa: E402  (the same model as the overhead benchmark)
 
 DEFAULT_OUTPUT = Path(__file__).resolve().parent / "results" / "kernels.json"
 Kernel = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -265,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
                 model(input_ids)
 
     results: dict[str, dict[str, dict[str, float]]] = {}
-    Watcher._record = timed_record  # type: ignore[method-assign]
+    Watcher._record = timed_record  # type: ignore[method-assign,assignment]
     try:
         for mode in args.modes:
             times: dict[str, list[tuple[float, float]]] = {name: [] for name in variants}
@@ -273,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
                 names = list(variants)
                 shift = round_index % len(names)  # a rotating order: no variant always runs first
                 for name in names[shift:] + names[:shift]:
-                    stats._abs_aminmax = variants[name]
+                    stats._abs_aminmax = variants[name]  # type: ignore[assignment]
                     in_hooks[0] = 0.0
                     start = time.perf_counter()
                     step(mode)
@@ -288,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
             }
     finally:
         Watcher._record = record  # type: ignore[method-assign]
-        stats._abs_aminmax = shipped
+        stats._abs_aminmax = shipped  # type: ignore[assignment]
         handle.close()
 
     print(f"torch {torch.__version__}, {args.threads} threads, {args.rounds} rounds per mode; medians per step")
@@ -297,16 +296,14 @@ def main(argv: list[str] | None = None) -> int:
         for name, figures in by_variant.items():
             print(f"{'':<{len(mode) + 2}}{name:<20} {figures['in_hooks_ms']:>12.2f} {figures['step_ms']:>9.1f}")
     payload = {
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "torch": torch.__version__,
         "threads": args.threads,
         "rounds": args.rounds,
         "machine": {"platform": platform.platform(), "processor": platform.processor()},
         "results": results,
     }
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")
-    print(f"\nwrote {args.output}")
+    print()
+    write_results(payload, args.output)
     return 0
 
 

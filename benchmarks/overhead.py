@@ -493,15 +493,20 @@ def main(argv: list[str] | None = None) -> int:
             "nanwatch": nanwatch.__version__,
         },
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "targets": TARGETS,
         "final_loss": float(bench.losses[-1]) if bench.losses else None,
         "results": results,
     }
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")
-    print(f"wrote {args.output}")
+    write_results(payload, args.output)
     return 0
+
+
+def write_results(payload: dict[str, Any], output: Path) -> None:
+    """Write a benchmark's figures as JSON, led by the command that produced them, and say where."""
+    output.parent.mkdir(parents=True, exist_ok=True)
+    command = " ".join([Path(sys.executable).name, *sys.argv])
+    output.write_text(json.dumps({"command": command, **payload}, indent=2) + "\n", encoding="utf-8")
+    print(f"wrote {output}")
 
 
 if __name__ == "__main__":

@@ -20,3 +20,18 @@ def nanwatch_log(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCapture
         yield caplog
     finally:
         logger.removeHandler(caplog.handler)
+
+
+@pytest.fixture
+def fresh_accelerate_state() -> Iterator[None]:
+    """Accelerate keeps its state in process-wide singletons: each test that asks for this starts from none.
+
+    Test modules that need it everywhere say `pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")`.
+    """
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    yield
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()

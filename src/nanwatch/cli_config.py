@@ -141,12 +141,7 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser |
         ConfigError: the file is unreadable or holds an unknown key or bad value, or an option's value is invalid
             (only when `parser` is None).
     """
-    try:
-        return _config_from_args(args)
-    except ConfigError as error:
-        if parser is None:
-            raise
-        parser.error(str(error))
+    return tool_config(args, parser).config
 
 
 def parse_dict(data: Mapping[str, Any], allow_extra_keys: bool = False, *, source: str = "config") -> WatchConfig:
@@ -243,10 +238,6 @@ class ToolHelpFormatter(argparse.HelpFormatter):
 
 
 # --------------------------------------------------------------------------------------------------------------------
-
-
-def _config_from_args(args: argparse.Namespace) -> WatchConfig:
-    return _resolve(args).config
 
 
 def _resolve(args: argparse.Namespace) -> ToolConfig:

@@ -16,7 +16,6 @@ output is the loss scale itself, and 65536 is more than float16 holds (65504).
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +25,6 @@ pytest.importorskip("accelerate")
 
 import torch  # noqa: E402
 from accelerate import Accelerator  # noqa: E402
-from accelerate.state import AcceleratorState, GradientState  # noqa: E402
 from accelerate.utils import GradScalerKwargs  # noqa: E402
 from tests.backward_faults import InfInBackward  # noqa: E402
 from torch import nn  # noqa: E402
@@ -34,15 +32,7 @@ from torch import nn  # noqa: E402
 from nanwatch import LossScaleBelowFloor, NonFiniteError  # noqa: E402
 from nanwatch.adapters.accelerate import OverflowTracker  # noqa: E402
 
-
-@pytest.fixture(autouse=True)
-def fresh_accelerate_state() -> Iterator[None]:
-    # Accelerate keeps its state in process-wide singletons; each test starts from none.
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")
 
 
 def fp16_run(

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -11,7 +10,6 @@ pytest.importorskip("accelerate")
 
 import torch  # noqa: E402
 from accelerate import Accelerator  # noqa: E402
-from accelerate.state import AcceleratorState, GradientState  # noqa: E402
 from accelerate.tracking import GeneralTracker  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
@@ -39,13 +37,7 @@ class RecordingTracker(GeneralTracker):  # type: ignore[misc]
         self.logged.append((step, dict(values)))
 
 
-@pytest.fixture(autouse=True)
-def fresh_accelerate_state() -> Iterator[None]:
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")
 
 
 def train(trackers: list[GeneralTracker], overflow: OverflowTracker, micro_batches: int = 8) -> list[float]:

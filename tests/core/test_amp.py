@@ -95,7 +95,7 @@ def test_step_called_before_the_scaler_steps_confirms_the_skip_later() -> None:
     assert handle.optimizer_step == 2
 
 
-def _scale_history_of_a_loop(*, step_first: bool, accumulate: int) -> tuple[list[tuple[int, float]], WatchHandle]:
+def _scale_history_of_a_loop(*, step_first: bool, accumulate: int) -> tuple[LossScaleHistory, WatchHandle]:
     """8 micro-batches, an optimizer step every `accumulate`; `handle.step()` before `scaler.step()` or after
     `scaler.update()`. The scale starts far too high, so the first steps are skipped."""
     model = _fp16_model()
@@ -116,14 +116,19 @@ def _scale_history_of_a_loop(*, step_first: bool, accumulate: int) -> tuple[list
     assert monitor is not None
     assert monitor.overflows
     assert all(overflow.skipped for overflow in monitor.overflows)
-    return [(record.batch_number, record.scale) for record in monitor.history().records], handle
+    return monitor.history(), handle
+
+
+def _scale_changes(history: LossScaleHistory) -> list[tuple[int, float]]:
+    return [(record.batch_number, record.scale) for record in history.records]
 
 
 @pytest.mark.parametrize("accumulate", [1, 2])
 def test_skips_seen_with_step_before_the_scaler_are_put_on_the_batch_that_stepped(accumulate: int) -> None:
     # With step() first, a skip's drop is read as the next micro-batch starts, and put on the one that stepped.
-    history, handle = _scale_history_of_a_loop(step_first=True, accumulate=accumulate)
-    history_after, handle_after = _scale_history_of_a_loop(step_first=False, accumulate=accumulate)
+    first, handle = _scale_history_of_a_loop(step_first=True, accumulate=accumulate)
+    after, handle_after = _scale_history_of_a_loop(step_first=False, accumulate=accumulate)
+    history, history_after = _scale_changes(first), _scale_changes(after)
     assert history == history_after
     assert handle.optimizer_step == handle_after.optimizer_step
     if accumulate == 1:
@@ -190,20 +195,8 @@ def test_inf_gradients_let_through_after_a_skipped_step_never_reach_the_weights(
 
 
 def test_the_scale_history_follows_many_skips_and_growth() -> None:
-    model = _fp16_model()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     # Starts far too high: skipped steps halve it down to 32768, then it grows after 2 clean steps, and overflows.
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**19, growth_interval=2)
-    with watch(model, optimizer=optimizer, scaler=scaler, watch_gradients=True) as handle:
-        for _ in range(8):
-            _fp16_step(model, scaler, optimizer)
-            scaler.step(optimizer)
-            scaler.update()
-            optimizer.zero_grad()
-            handle.step()
-        monitor = handle.watcher.loss_scale
-        assert monitor is not None
-        history = monitor.history()
+    history, _ = _scale_history_of_a_loop(step_first=False, accumulate=1)
     scales = [record.scale for record in history.records]
     assert scales[:5] == [2.0**19, 2.0**18, 2.0**17, 2.0**16, 2.0**15]
     assert 2.0**16 in scales[5:]  # growth back to 65536, which overflows again

@@ -104,6 +104,8 @@ class OverflowTrainerCallback(TrainerCallback):  # type: ignore[misc,unused-igno
         scaler = scaler_of(optimizer)  # the Trainer's accelerator's GradScaler, None without fp16 loss scaling
         if scaler is not None:
             watcher.watch_scaler(scaler)
+            # The scale changes only in a step's update(): read it once, after each step (on_optimizer_step).
+            watcher.read_scale_at_batch_end = False
         watcher.attach()
         watcher.hooks.add_forward_pre(root, self._before_top_forward)
         if scaler is not None and optimizer is not None:
@@ -155,10 +157,9 @@ class OverflowTrainerCallback(TrainerCallback):  # type: ignore[misc,unused-igno
     def on_optimizer_step(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        # After `scaler.step` and `scaler.update`, skipped or not. The micro-batch's own reading (in end_batch) came
-        # before its step: read again now, so a drop (and a fall below the floor) is put on the micro-batch whose
-        # gradients caused it, and the next check does not take that drop for a skip of its own step. The scale is
-        # the same on every rank, so every rank stops here alike.
+        # After `scaler.step` and `scaler.update`, skipped or not: the one reading of the scale per step, so a drop
+        # (and a fall below the floor) is put on the micro-batch whose gradients caused it, and the next check does not
+        # take that drop for a skip of its own step. The scale is the same on every rank: every rank stops here alike.
         watcher = self.watcher
         if watcher is not None:
             self._stopping(lambda: watcher.follow_loss_scale(watcher.batch_number - 1, state.global_step))

@@ -94,7 +94,7 @@ class Watcher:
         self._capture: ReplayCapture | None = None  # only with capture_on_detect: off, it costs nothing
         self._gradients: GradientRecorder | None = None  # only with watch_gradients (see core/gradients.py)
         self._amp: LossScaleMonitor | None = None  # only once watch_scaler() was called (see core/amp.py)
-        # False: the adapter reads the loss scale itself, once per micro-batch, with follow_loss_scale().
+        # False: the adapter reads the loss scale itself with follow_loss_scale() (the plain loop, the HF Trainer).
         self.read_scale_at_batch_end = True
         self.schedule = BatchSchedule(config)
         self._summaries = SummaryCollector(config.summary_every_n_batches)
@@ -571,34 +571,22 @@ class Watcher:
     def follow_loss_scale(self, batch_number: int, optimizer_step: int | None = None) -> None:
         """Read the loss scale now (one scalar), put a change on training micro-batch `batch_number`, check the floor.
 
-        For an adapter that reads the scale itself: the plain loop (`read_scale_at_batch_end = False`) reads it as the
-        next micro-batch starts, after the scaler decided the previous one's step, whichever side of it the loop
-        ended that batch; the HF Trainer callback reads it right after each optimizer step.
+        `end_batch()` calls it unless `read_scale_at_batch_end` is False, for an adapter that reads the scale itself:
+        the plain loop reads it as the next micro-batch starts (after the scaler decided the previous one's step,
+        whichever side of it the loop ended that batch), the HF Trainer callback right after each optimizer step.
 
         Raises:
             LossScaleBelowFloor: the scale is below `min_loss_scale` (on every rank alike), named after `batch_number`.
         """
-        if self._amp is not None:
-            self._follow_loss_scale(self._amp, batch_number, optimizer_step)
-
-    def observe_loss_scale(self, batch_number: int, optimizer_step: int | None = None) -> float | None:
-        """Read the loss scale now (one scalar) and put a change on training micro-batch `batch_number`; no floor check.
-
-        Returns:
-            The scale, or None without a scaler, or when it could not be read (logged: the run goes on).
-        """
         amp = self._amp
         if amp is None:
-            return None
+            return
+        step = self.optimizer_step if optimizer_step is None else optimizer_step
         try:
-            return amp.observe(batch_number, self.optimizer_step if optimizer_step is None else optimizer_step)
+            scale = amp.observe(batch_number, step)
         except Exception as failure:  # a scaler we cannot read must not kill a healthy run
             self.logger.warning(f"nanwatch could not read the GradScaler's scale (the run goes on): {failure!r}")
-            return None
-
-    def _follow_loss_scale(self, amp: LossScaleMonitor, batch_number: int, optimizer_step: int | None = None) -> None:
-        step = self.optimizer_step if optimizer_step is None else optimizer_step
-        scale = self.observe_loss_scale(batch_number, step)
+            return
         if scale is None or not amp.below_floor(scale):
             return
         report, error = amp.floor_detection(
@@ -650,7 +638,7 @@ class Watcher:
         if self._amp is not None:
             self._amp.step_done()
             if self.read_scale_at_batch_end:
-                self._follow_loss_scale(self._amp, self.batch_number)  # may raise LossScaleBelowFloor, on every rank
+                self.follow_loss_scale(self.batch_number)  # may raise LossScaleBelowFloor, on every rank alike
         self.batch_number += 1
         # The optimizer may have written the weights in a way `_version` does not show (fused kernels, `p.data`).
         self._cache.forget_parameters()
