@@ -13,9 +13,12 @@ TORCH = "torch==2.13.0"
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    session.install("ruff>=0.6")
+    session.install("ruff>=0.6", "import-linter>=2.1")
     session.run("ruff", "check", "src", "tests", "benchmarks", "examples", "noxfile.py")
     session.run("ruff", "format", "--check", "src", "tests", "benchmarks", "examples", "noxfile.py")
+    # The layers (pyproject.toml [tool.importlinter]): import-linter imports nanwatch, so it needs the package.
+    session.install("-e", ".", "--no-deps")
+    session.run("lint-imports", "--no-cache")
 
 
 @nox.session

@@ -2,10 +2,11 @@
 
 The model is built from a small `GPT2Config` with random weights (nothing is downloaded) and cast to float16 with
 `.half()`: the Trainer's `fp16=True` needs a GPU, and pure-fp16 weights overflow just the same. Plain SGD at a
-learning rate of 10 makes the weights grow with every optimizer step until an attention projection's output passes
-65504, the largest float16, and turns to inf. `OverflowTrainerCallback` shows the frames that led there and stops
-the run before the optimizer step that would apply that micro-batch. Gradient accumulation is 2: `batch_number`
-counts micro-batches, the report also gives the optimizer step (`state.global_step`) and the epoch.
+learning rate of 10 makes the weights grow with every optimizer step until the output of a block's MLP projection
+(`transformer.h.0.mlp.c_proj`) passes 65504, the largest float16, and turns to inf. `OverflowTrainerCallback` shows
+the frames that led there and stops the run before the optimizer step that would apply that micro-batch. Gradient
+accumulation is 2: `batch_number` counts micro-batches, the report also gives the optimizer step
+(`state.global_step`) and the epoch.
 
     python examples/hf_trainer.py [--config nanwatch.yaml] [--report-dir reports/] [--max-frames-to-save 21]
 """
@@ -21,7 +22,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
 from nanwatch import NonFiniteError
 from nanwatch.adapters.hf_trainer import OverflowTrainerCallback
-from nanwatch.cli_config import add_config_arguments, config_from_args
+from nanwatch.cli.options import add_config_arguments, config_from_args
 
 VOCAB = 128
 SEQUENCE = 16

@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from nanwatch import NonFiniteError
 from nanwatch.adapters.lightning import OverflowCallback
-from nanwatch.cli_config import add_config_arguments, config_from_args
+from nanwatch.cli.options import add_config_arguments, config_from_args
 
 
 class Regressor(pl.LightningModule):

@@ -23,7 +23,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import nanwatch
-from nanwatch.cli_config import add_config_arguments, config_from_args
+from nanwatch.cli.options import add_config_arguments, config_from_args
 
 ACCUMULATION = 2  # micro-batches per optimizer step
 MICRO_BATCH = 16

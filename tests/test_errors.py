@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import ast
 import copy
 import pickle
+from pathlib import Path
 
 import pytest
 
-from nanwatch import BatchLimitReached, ConfigError, NanwatchError, NanwatchWarning, NonFiniteError
+from nanwatch import BatchLimitReached, ConfigError, NanwatchError, NanwatchWarning, NonFiniteError, WatchConfig, errors
 
 
 def _error() -> NonFiniteError:
@@ -31,6 +33,23 @@ def test_hierarchy() -> None:
     assert issubclass(NanwatchWarning, UserWarning)
     assert not issubclass(NanwatchWarning, NanwatchError)
     assert issubclass(ConfigError, ValueError)
+
+
+def test_every_error_nanwatch_raises_on_purpose_is_a_nanwatch_error() -> None:
+    # ConfigError was a bare ValueError, although errors.py said every nanwatch error is a NanwatchError.
+    for name in errors.__all__:
+        kind = getattr(errors, name)
+        if kind is not NanwatchWarning:
+            assert issubclass(kind, NanwatchError), name
+    with pytest.raises(NanwatchError, match="unknown field 'trace_batch_num'"):
+        WatchConfig.from_dict({"trace_batch_num": [1]})
+
+
+def test_errors_import_nothing_from_nanwatch() -> None:
+    tree = ast.parse(Path(errors.__file__).read_text(encoding="utf-8"))
+    imported = [node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)]
+    imported += [alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names]
+    assert not [name for name in imported if name and name.split(".")[0] == "nanwatch"]
 
 
 def test_non_finite_error_carries_its_data() -> None:

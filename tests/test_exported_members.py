@@ -9,6 +9,8 @@ import sys
 import types
 from pathlib import Path
 
+import pytest
+
 import nanwatch
 import nanwatch.core
 
@@ -33,7 +35,10 @@ TOP_LEVEL = {
 
 CORE = {
     "ConfigError",
+    "Direction",
+    "EngineContext",
     "Entry",
+    "Feature",
     "Frame",
     "FrameRing",
     "GlobalDetection",
@@ -41,6 +46,7 @@ CORE = {
     "Report",
     "ResolvedEntry",
     "ResolvedFrame",
+    "Role",
     "StatsCache",
     "WatchConfig",
     "Watcher",
@@ -54,11 +60,11 @@ OPTIONAL_FRAMEWORKS = ("lightning", "pytorch_lightning", "lightning_fabric", "ac
 
 
 def _public_namespace(module: types.ModuleType) -> set[str]:
-    """Names a user sees with `dir()`, less the submodules that importing a package binds as attributes."""
+    """Names a user sees with `dir()` (the lazily imported ones included), less submodules bound as attributes."""
     return {
         name
-        for name, value in vars(module).items()
-        if not name.startswith("_") and not isinstance(value, types.ModuleType)
+        for name in dir(module)
+        if not name.startswith("_") and not isinstance(getattr(module, name), types.ModuleType)
     }
 
 
@@ -83,7 +89,7 @@ def test_top_level_and_core_export_the_same_objects() -> None:
 
 
 def test_every_core_module_declares_what_it_exports() -> None:
-    for info in pkgutil.iter_modules(nanwatch.core.__path__, "nanwatch.core."):
+    for info in pkgutil.walk_packages(nanwatch.core.__path__, "nanwatch.core."):
         module = importlib.import_module(info.name)
         exported = getattr(module, "__all__", None)
         assert exported is not None, f"{info.name} has no __all__"
@@ -106,3 +112,24 @@ def test_import_nanwatch_imports_no_optional_framework() -> None:
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "", f"import nanwatch imported {result.stdout.strip()}"
+
+
+def test_import_nanwatch_imports_no_torch_until_a_name_needs_it() -> None:
+    code = (
+        "import sys\n"
+        "import nanwatch, nanwatch.core, nanwatch.cli\n"
+        "assert 'torch' not in sys.modules, 'import nanwatch imported torch'\n"
+        "nanwatch.WatchConfig()\n"
+        "assert 'torch' not in sys.modules, 'WatchConfig imported torch'\n"
+        "nanwatch.watch\n"
+        "assert 'torch' in sys.modules\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert result.returncode == 0, result.stderr
+
+
+def test_an_unknown_name_is_an_attribute_error() -> None:
+    with pytest.raises(AttributeError, match="has no attribute 'wach'"):
+        nanwatch.wach  # noqa: B018
+    with pytest.raises(AttributeError, match="has no attribute 'Wacher'"):
+        nanwatch.core.Wacher  # noqa: B018

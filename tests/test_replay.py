@@ -22,7 +22,7 @@ import torch
 
 import nanwatch
 from nanwatch import NonFiniteError
-from nanwatch.core.capture import load_replay_file
+from nanwatch.core.formats.replay_file import load_replay_file
 from nanwatch.replay import ReplayError, replay
 
 REPO = Path(__file__).resolve().parents[1]

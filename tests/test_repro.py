@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import nanwatch
-from nanwatch.doctor import find_free_port
+from nanwatch.cli.doctor import find_free_port
 
 
 @pytest.fixture(autouse=True)

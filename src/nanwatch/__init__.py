@@ -3,15 +3,32 @@
 Entry points: `nanwatch.watch(model)` for a plain loop, `nanwatch.DebugUnderflowOverflow` as a drop-in for
 transformers' class, and the adapters in `nanwatch.adapters` (Lightning, Accelerate, HF Trainer), all configured by
 one `WatchConfig`.
+
+The names below are imported when first used (PEP 562), so `import nanwatch` alone, and the command-line tools that
+only read files (`nanwatch --help`, `show`, `diff`, `plot`), never import torch.
 """
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from nanwatch._version import __version__
-from nanwatch.adapters.plain import WatchHandle, watch
-from nanwatch.core.config import ConfigError, WatchConfig
-from nanwatch.core.report import Report
-from nanwatch.dropin import DebugUnderflowOverflow, detect_overflow
-from nanwatch.errors import BatchLimitReached, LossScaleBelowFloor, NanwatchError, NanwatchWarning, NonFiniteError
-from nanwatch.repro import enable_full_determinism, main_process_first, set_seed
+
+if TYPE_CHECKING:
+    from nanwatch.adapters.plain import WatchHandle, watch
+    from nanwatch.core.config import WatchConfig
+    from nanwatch.core.report import Report
+    from nanwatch.dropin import DebugUnderflowOverflow, detect_overflow
+    from nanwatch.errors import (
+        BatchLimitReached,
+        ConfigError,
+        LossScaleBelowFloor,
+        NanwatchError,
+        NanwatchWarning,
+        NonFiniteError,
+    )
+    from nanwatch.repro import enable_full_determinism, main_process_first, set_seed
 
 __all__ = [
     "BatchLimitReached",
@@ -31,3 +48,35 @@ __all__ = [
     "set_seed",
     "watch",
 ]
+
+# Where each public name lives.
+_HOMES = {
+    "BatchLimitReached": "nanwatch.errors",
+    "ConfigError": "nanwatch.errors",
+    "LossScaleBelowFloor": "nanwatch.errors",
+    "NanwatchError": "nanwatch.errors",
+    "NanwatchWarning": "nanwatch.errors",
+    "NonFiniteError": "nanwatch.errors",
+    "WatchConfig": "nanwatch.core.config",
+    "Report": "nanwatch.core.report",
+    "WatchHandle": "nanwatch.adapters.plain",
+    "watch": "nanwatch.adapters.plain",
+    "DebugUnderflowOverflow": "nanwatch.dropin",
+    "detect_overflow": "nanwatch.dropin",
+    "enable_full_determinism": "nanwatch.repro",
+    "main_process_first": "nanwatch.repro",
+    "set_seed": "nanwatch.repro",
+}
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'nanwatch' has no attribute {name!r}")
+    value = getattr(importlib.import_module(home), name)
+    globals()[name] = value  # once: later look-ups find it directly
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

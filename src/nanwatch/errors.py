@@ -1,13 +1,20 @@
-"""The exceptions and warnings nanwatch raises."""
+"""Every exception and warning nanwatch raises. The bottom layer: it imports nothing from nanwatch."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from nanwatch.core.culprit import Culprit
-
-__all__ = ["NanwatchError", "NanwatchWarning", "NonFiniteError", "BatchLimitReached", "LossScaleBelowFloor"]
+__all__ = [
+    "BatchLimitReached",
+    "ConfigError",
+    "JsonlError",
+    "LossScaleBelowFloor",
+    "NanwatchError",
+    "NanwatchWarning",
+    "NonFiniteError",
+    "PlotError",
+    "ReplayError",
+]
 
 
 class NanwatchError(Exception):
@@ -16,6 +23,22 @@ class NanwatchError(Exception):
 
 class NanwatchWarning(UserWarning):
     """A problem in nanwatch's own bookkeeping; the training run goes on."""
+
+
+class ConfigError(NanwatchError, ValueError):
+    """A config file or value is wrong; the message names the field and what was received."""
+
+
+class JsonlError(NanwatchError, ValueError):
+    """A JSON Lines file is not one nanwatch wrote (or not one this version reads); the message names the line."""
+
+
+class ReplayError(NanwatchError, ValueError):
+    """A replay file or the model it is replayed on is not usable; the message says what is wrong."""
+
+
+class PlotError(NanwatchError, ValueError):
+    """A plot cannot be drawn (matplotlib missing, nothing to draw, too many rows); the message says why."""
 
 
 class NonFiniteError(NanwatchError, ValueError):
@@ -31,9 +54,9 @@ class NonFiniteError(NanwatchError, ValueError):
         optimizer_step: the optimizer step the micro-batch belongs to, when the caller knows it.
         epoch: the epoch, when the caller knows it.
         phase: "train" or "eval".
-        culprit: the first module whose inputs and weights were finite but whose output was not (or where the
-            inf/nan came in from instead), when this process saw it; None on the other ranks. `str()` of it is the
-            one-line explanation that the message and the report end with.
+        culprit: a `nanwatch.core.features.culprit.Culprit`: the first module whose inputs and weights were finite but
+            whose output was not (or where the inf/nan came in from instead), when this process saw it; None on the
+            other ranks. `str()` of it is the one-line explanation that the message and the report end with.
     """
 
     def __init__(
@@ -47,7 +70,7 @@ class NonFiniteError(NanwatchError, ValueError):
         optimizer_step: int | None = None,
         epoch: int | None = None,
         phase: str = "train",
-        culprit: Culprit | None = None,
+        culprit: Any = None,
     ) -> None:
         super().__init__(message)
         self.batch_number = batch_number
@@ -61,14 +84,7 @@ class NonFiniteError(NanwatchError, ValueError):
 
     def __reduce__(self) -> tuple[object, ...]:
         # Keyword-only arguments need help to survive pickling (multiprocessing, Lightning's spawn).
-        return (_rebuild_non_finite_error, (self.args[0], self.__dict__.copy()))
-
-
-def _rebuild_non_finite_error(message: str, state: dict[str, object]) -> NonFiniteError:
-    error = NonFiniteError.__new__(NonFiniteError)
-    Exception.__init__(error, message)
-    error.__dict__.update(state)
-    return error
+        return (_rebuild, (type(self), self.args[0], self.__dict__.copy()))
 
 
 class LossScaleBelowFloor(NonFiniteError):
@@ -97,16 +113,6 @@ class LossScaleBelowFloor(NonFiniteError):
         self.min_loss_scale = min_loss_scale
         self.scale_history = scale_history
 
-    def __reduce__(self) -> tuple[object, ...]:
-        return (_rebuild_loss_scale_error, (self.args[0], self.__dict__.copy()))
-
-
-def _rebuild_loss_scale_error(message: str, state: dict[str, object]) -> LossScaleBelowFloor:
-    error = LossScaleBelowFloor.__new__(LossScaleBelowFloor)
-    Exception.__init__(error, message)
-    error.__dict__.update(state)
-    return error
-
 
 class BatchLimitReached(NanwatchError, ValueError):
     """`abort_after_batch_num` was reached: the run stops on purpose after that batch.
@@ -120,8 +126,11 @@ class BatchLimitReached(NanwatchError, ValueError):
         self.batch_number = batch_number
 
     def __reduce__(self) -> tuple[object, ...]:
-        return (_rebuild_batch_limit, (self.args[0], self.batch_number))
+        return (_rebuild, (type(self), self.args[0], self.__dict__.copy()))
 
 
-def _rebuild_batch_limit(message: str, batch_number: int) -> BatchLimitReached:
-    return BatchLimitReached(message, batch_number=batch_number)
+def _rebuild(cls: type[Exception], message: str, state: dict[str, object]) -> Exception:
+    error = cls.__new__(cls)
+    Exception.__init__(error, message)
+    error.__dict__.update(state)
+    return error

@@ -9,12 +9,9 @@ value for value, with those of the original report.
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import json
 import os
-import sys
-import traceback
 from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, field
@@ -23,28 +20,29 @@ from typing import Any, TypeAlias
 
 import torch
 
-from nanwatch.cli_config import add_config_arguments, config_from_args
-from nanwatch.core.capture import (
-    ReplayError,
+from nanwatch.core.config import WatchConfig
+from nanwatch.core.features.capture import (
     capture_rng_states,
     determinism_flags,
-    load_replay_file,
     restore_rng_states,
     set_determinism_flags,
 )
-from nanwatch.core.config import ConfigError, WatchConfig
-from nanwatch.core.culprit import find_culprit
+from nanwatch.core.features.culprit import culprit_section, find_culprit
+from nanwatch.core.formats.files import atomic_write
+from nanwatch.core.formats.replay_file import load_replay_file
 from nanwatch.core.frames import ResolvedFrame, resolve
 from nanwatch.core.report import MODULE_INDENT, TABLE_HEADER, Report, format_frame
+from nanwatch.core.stats import registry
 from nanwatch.core.watcher import Watcher
+from nanwatch.errors import ReplayError
 
 __all__ = [
     "ModelSource",
     "ReplayError",
     "ReplayResult",
+    "UserCodeFailed",
     "check_state_fits",
     "load_factory",
-    "register",
     "replay",
     "write_replay_outputs",
 ]
@@ -75,7 +73,7 @@ def load_factory(spec: str) -> Callable[[], Any]:
             ) from error
         raise ReplayError(f"importing module {module_path!r} (from --model {spec!r}) failed: {error}") from error
     except Exception as error:  # the user's module raised at import: say so, keep their exception chained
-        raise _UserCodeFailed(
+        raise UserCodeFailed(
             f"importing module {module_path!r} (from --model {spec!r}) raised {type(error).__name__}: {error}"
         ) from error
     target: Any = module
@@ -95,7 +93,7 @@ def load_factory(spec: str) -> Callable[[], Any]:
     return target  # type: ignore[no-any-return]
 
 
-class _UserCodeFailed(ReplayError):
+class UserCodeFailed(ReplayError):
     """The user's module or factory raised; the command line shows its traceback (the `__cause__`) too."""
 
 
@@ -124,7 +122,7 @@ def _build_model(source: ModelSource) -> tuple[torch.nn.Module, str]:
     try:
         model = factory()
     except Exception as error:
-        raise _UserCodeFailed(f"the factory {origin} raised {type(error).__name__}: {error}") from error
+        raise UserCodeFailed(f"the factory {origin} raised {type(error).__name__}: {error}") from error
     if not isinstance(model, torch.nn.Module):
         raise ReplayError(f"the factory {origin} returned a {type(model).__name__}, not a torch.nn.Module")
     return model, origin
@@ -298,7 +296,8 @@ class ReplayResult:
 
 def _compare(original: dict[str, Any], replayed: list[dict[str, Any]], batch_number: int, phase: str) -> list[str]:
     """Differences between the original report's frames of the replayed batch and the replay's frames ending at
-    its first inf/nan (`replayed`, as `Report.to_dict()` writes them)."""
+    its first inf/nan (`replayed`, as `Report.to_dict()` writes them): names, dtypes, shapes, notes, and the values
+    of every statistic both reports carry (core/stats/registry.py), compared exactly."""
     ours = [f for f in original.get("frames", []) if f.get("batch_number") == batch_number and f.get("phase") == phase]
     if not ours:
         return ["the original report holds no frame of the replayed batch"]
@@ -319,10 +318,34 @@ def _compare(original: dict[str, Any], replayed: list[dict[str, Any]], batch_num
             continue
         for label, entry in new_entries.items():
             old = old_entries[label]
-            for key in ("abs_min", "abs_max", "dtype", "shape", "note"):
+            for key in ("dtype", "shape", "note"):
                 if old.get(key) != entry[key]:
                     differences.append(f"frame {name}, {label} {key}: original {old.get(key)}, replay {entry[key]}")
+            differences += _compare_statistics(name, label, old, entry)
     return differences
+
+
+def _compare_statistics(name: str, label: str, old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    differences = []
+    for statistic in registry.statistics():
+        if not statistic.in_report_json:
+            continue
+        try:
+            before, after = statistic.from_report_json(old), statistic.from_report_json(new)
+        except ValueError as error:  # a damaged original report
+            differences.append(f"frame {name}, {label}: the original's {statistic.name} cannot be read ({error})")
+            continue
+        if before is None or after is None:  # one side did not measure it (count_underflow off then, on now)
+            continue
+        for column, a, b in zip(statistic.columns, before, after, strict=True):
+            if not _same_number(a, b):
+                differences.append(f"frame {name}, {label} {column.name}: original {a}, replay {b}")
+    return differences
+
+
+def _same_number(a: object, b: object) -> bool:
+    # nan equals nan here: the same bits replayed are the same result.
+    return a == b or (isinstance(a, float) and isinstance(b, float) and a != a and b != b)
 
 
 # ---------------------------------------------------------------------------------------------- the replay
@@ -416,11 +439,8 @@ def _replay(
         rank=data["rank"],
         world_size=data["world_size"],
     )
-    watcher.set_phase(phase)
-    if phase == "train":
-        watcher.batch_number = batch_number
-    else:
-        watcher.eval_batch_number = batch_number
+    watcher.load_state_dict({"batch_number": batch_number, "eval_batch_number": batch_number})
+    watcher.start_batch(phase)
     frames = _run_forward(built, watcher, data, args, kwargs, target, notes)
 
     resolved = resolve(frames)
@@ -434,6 +454,8 @@ def _replay(
         differences = [f"the original went inf/nan in module {original.get('module_name')!r}; the replay stayed finite"]
     else:
         culprit = find_culprit(resolved, first)  # as the watcher names it, from the same frames
+        # The section CulpritFeature.annotate gives a watched run's report: the replay's report must read the same.
+        section = culprit_section(culprit)
 
         def report_of(frames: list[ResolvedFrame]) -> Report:
             return Report(
@@ -445,7 +467,7 @@ def _replay(
                 frames=frames,
                 optimizer_step=data.get("optimizer_step"),
                 epoch=data.get("epoch"),
-                culprit=culprit,
+                sections=(section,),
             )
 
         up_to_first = report_of(resolved[: first + 1]).to_dict()["frames"]
@@ -514,49 +536,9 @@ def _run_forward(
             raise ReplayError(f"the replay could not watch the forward: {watcher.disabled_reason}")
         return watcher.recent_frames()
     finally:
-        watcher.detach()
+        watcher.close(check=False)
         torch.set_num_threads(callers_threads)
         set_determinism_flags(callers_determinism)
-
-
-# ---------------------------------------------------------------------------------------------- the command
-
-
-def _run(args: argparse.Namespace) -> int:
-    # The console script, unlike `python -m`, does not put the current directory on the path; a factory in the
-    # project being debugged (`tests.models:factory`, `train:build_model`) is expected to import from there.
-    if os.getcwd() not in sys.path and "" not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    try:
-        config = config_from_args(args)
-        result = replay(
-            args.file,
-            args.model,
-            device=args.device,
-            max_frames_to_save=config.max_frames_to_save,
-            trusted=args.trusted,
-        )
-    except (ReplayError, ConfigError) as error:
-        if isinstance(error, _UserCodeFailed) and error.__cause__ is not None:
-            traceback.print_exception(error.__cause__, file=sys.stderr)
-        print(f"nanwatch replay: error: {error}", file=sys.stderr)
-        return 2
-    where = f" on rank {result.rank}" if result.world_size > 1 else ""
-    text = "\n".join(
-        [
-            f"nanwatch replay of {result.counter}={result.batch_number}{where} from {result.path}",
-            f"model: {result.model_class}, rebuilt by {args.model}, on {result.device}",
-            "",
-            result.trace_text(),
-            "",
-            result.summary(),
-        ]
-    )
-    print(text)
-    if config.report_dir is not None:
-        for written in write_replay_outputs(config.report_dir, result, text):
-            print(f"written: {written}")
-    return 0 if result.matches_original else 1
 
 
 def write_replay_outputs(report_dir: Path, result: ReplayResult, text: str) -> list[Path]:
@@ -570,33 +552,5 @@ def write_replay_outputs(report_dir: Path, result: ReplayResult, text: str) -> l
     stem = f"nanwatch-replay{infix}-rank{result.rank}-batch{result.batch_number}"
     paths = [report_dir / f"{stem}.json", report_dir / f"{stem}.txt"]
     for path, content in zip(paths, [json.dumps(result.to_dict(), indent=2), text], strict=True):
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        tmp.write_text(content + "\n", encoding="utf-8")
-        os.replace(tmp, path)
+        atomic_write(path, content + "\n")
     return paths
-
-
-def register(subparsers: Any) -> None:
-    parser = subparsers.add_parser(
-        "replay",
-        help="run the forward that went inf/nan again from its replay file, with every module traced",
-        description=(
-            "Rebuild the model, restore the weights, buffers, inputs and RNG states saved by capture_on_detect=True, "
-            "and run that one forward with every module traced. Exit status: 0 when the replay matches the original "
-            "report value for value, 1 when it differs or stays finite, 2 on bad input. Of the watch config, a "
-            "replay uses max_frames_to_save (frames in its report) and report_dir (where its text and JSON go, as "
-            "nanwatch-replay-rank{R}-batch{N}.txt/.json); the other fields do not apply to it."
-        ),
-    )
-    parser.add_argument("file", help="a replay-rank{R}-batch{N}.pt file from report_dir")
-    parser.add_argument(
-        "--model", required=True, metavar="MODULE:FACTORY", help="a callable returning the model, e.g. train:build"
-    )
-    parser.add_argument("--device", default=None, help="where to run (default: where the forward first ran)")
-    parser.add_argument(
-        "--trusted",
-        action="store_true",
-        help="allow inputs that are Python objects (unpickling runs their code: only for files you trust)",
-    )
-    add_config_arguments(parser)
-    parser.set_defaults(func=_run)

@@ -120,12 +120,15 @@ class LeafInput(Tiny):
         return self.net(batch[0].clone().requires_grad_()).float().sum()
 
 
-def test_inf_gradients_on_a_step_the_scaler_lets_through_stop_the_run_at_the_next_check() -> None:
+def test_inf_gradients_on_a_step_the_scaler_lets_through_stop_the_run_before_that_step() -> None:
     module = LeafInput()
+    before = module.net[1].weight.detach().clone()
     with pytest.raises(NonFiniteError) as info:
         _fit(module, [OverflowCallback(watch_gradients=True)], steps=3, init_scale=4.0)
     assert not isinstance(info.value, LossScaleBelowFloor)
     assert info.value.batch_number == 0
     assert info.value.module_name == "net.0"
     assert "Loss scale (GradScaler): 4 at batch 0" in info.value.report
-    assert len(module.weights) == 2  # raised in batch 1's on_before_backward, on every rank alike
+    # Raised in the optimizer's step pre-hook (inside scaler.step, on every rank alike): the step never ran.
+    assert len(module.weights) == 1
+    assert torch.equal(module.net[1].weight, before)

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 import nanwatch
-import nanwatch.core.stats
+import nanwatch.core.stats.measure
 from nanwatch import BatchLimitReached, NanwatchWarning, NonFiniteError, WatchHandle, watch
 from nanwatch.core.frames import ResolvedFrame, resolve
 from nanwatch.core.walk import MAX_DEPTH, MAX_LEAVES
@@ -637,7 +637,7 @@ def test_an_internal_failure_disables_watching_and_training_continues(monkeypatc
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     x = torch.randn(4, 4)
 
-    def broken(tensor: torch.Tensor) -> nanwatch.core.stats.Measurement:
+    def broken(tensor: torch.Tensor, kernels: object = ()) -> nanwatch.core.stats.measure.Measurement:
         raise RuntimeError("simulated bookkeeping bug")
 
     with watch(model, optimizer=optimizer) as handle:
@@ -645,7 +645,7 @@ def test_an_internal_failure_disables_watching_and_training_continues(monkeypatc
         optimizer.step()
         optimizer.zero_grad()
         handle.step()
-        monkeypatch.setattr(nanwatch.core.stats, "measure", broken)
+        monkeypatch.setattr(nanwatch.core.stats.measure, "measure", broken)
         with pytest.warns(NanwatchWarning, match="stopped watching.*simulated bookkeeping bug"):
             model(x).sum().backward()
         for _ in range(3):  # the run goes on: steps, optimizer steps, counters

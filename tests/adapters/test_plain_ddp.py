@@ -55,6 +55,16 @@ def test_only_rank_1_sees_inf_and_both_ranks_stop_before_the_step(tmp_path: Path
     assert "Detected inf/nan during batch_number=3 on rank 1" in result.stderr
 
 
+@pytest.mark.multiprocess
+def test_an_evaluation_on_rank_0_only_leaves_the_ranks_collectives_in_step(tmp_path: Path) -> None:
+    # Before the fix, ending the eval batch cleared the training micro-batch's agreement on rank 0, whose step() then
+    # ran one all-reduce more than rank 1's: the ranks fell out of step and one waited in a collective until timeout.
+    result = run_torchrun("plain_eval_on_rank0_run.py", "--out", str(tmp_path), timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    outcomes = [json.loads((tmp_path / f"outcome-rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert [(o["batch_number"], o["eval_batch_number"]) for o in outcomes] == [(6, 6), (6, 0)]
+
+
 def test_the_plain_loop_example_overflows_in_float16_and_shows_the_report(tmp_path: Path) -> None:
     config = tmp_path / "nanwatch.json"
     config.write_text(json.dumps({"max_frames_to_save": 5, "report_dir": str(tmp_path / "reports")}), encoding="utf-8")

@@ -1,18 +1,20 @@
-"""core/frames.py: the bounded ring, the one-sync inf/nan check, and reading numbers back to the host."""
+"""core/frames.py: the bounded ring, typed roles and directions, and reading numbers back to the host."""
 
 from __future__ import annotations
 
 import math
 
-import pytest
 import torch
 
-from nanwatch.core.frames import Entry, Frame, FrameRing, ResolvedEntry, find_non_finite, resolve
-from nanwatch.core.stats import measure
+from nanwatch.core.frames import Direction, Entry, Frame, FrameRing, ResolvedEntry, ResolvedFrame, Role, resolve
+from nanwatch.core.stats.measure import measure
+
+FREE = {"non_finite_counts": (0, 0)}  # nan/inf counts known for free from a finite abs max
 
 
 def _frame(name: str, *tensors: torch.Tensor, batch: int = 0) -> Frame:
-    return Frame(name, "Linear", batch, entries=[Entry(f"input[{i}]", measure(t)) for i, t in enumerate(tensors)])
+    entries = [Entry(f"input[{i}]", Role.INPUT, measure(t)) for i, t in enumerate(tensors)]
+    return Frame(name, "Linear", batch, entries=entries)
 
 
 def test_ring_keeps_only_the_last_frames() -> None:
@@ -42,37 +44,21 @@ def test_ring_frames_is_a_copy() -> None:
     assert len(ring) == 1
 
 
-def test_find_non_finite_on_clean_frames() -> None:
-    frames = [_frame("a", torch.randn(4, 4)), _frame("b", torch.randn(3).half(), torch.randn(2).bfloat16())]
-    assert not find_non_finite(frames)
-    assert not find_non_finite([])
+def test_ring_last_gives_the_most_recent_frames_oldest_first() -> None:
+    ring = FrameRing(4)
+    frames = [_frame(str(i), torch.ones(1)) for i in range(6)]
+    ring.extend(frames)
+    assert ring.last(2) == frames[-2:]
+    assert ring.last(10) == frames[-4:]
+    assert ring.last(0) == []
 
 
-@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
-def test_find_non_finite_sees_one_bad_value_among_many(bad: float, dtype: torch.dtype) -> None:
-    clean = [_frame(f"l{i}", torch.randn(8)) for i in range(5)]
-    dirty = torch.randn(100).to(dtype)
-    dirty[57] = bad
-    frames = [*clean[:3], _frame("culprit", torch.randn(3).half(), dirty), *clean[3:]]
-    assert find_non_finite(frames)
-
-
-def test_find_non_finite_ignores_notes_skipped_integer_and_bool_entries() -> None:
-    frame = Frame(
-        "m",
-        "M",
-        0,
-        entries=[
-            Entry("input[0]", note="None"),
-            Entry("input[1]", note="not a tensor"),
-            Entry("weight", measure(torch.empty(0))),
-            Entry("input[2]", measure(torch.empty(3, device="meta"))),
-            Entry("input[3]", measure(torch.tensor([1, -(2**40)]))),
-            Entry("output", measure(torch.tensor([True, False]))),
-        ],
-    )
-    assert not find_non_finite([frame])
+def test_a_backward_frame_shows_its_class_with_the_suffix_but_keeps_it_plain() -> None:
+    (frame,) = resolve([Frame("0", "Linear", 0, entries=[], direction=Direction.BACKWARD)])
+    assert frame.class_name == "Linear"
+    assert frame.is_backward
+    assert frame.shown_class == "Linear (backward)"
+    assert ResolvedFrame("0", "Linear", 0, "train", ()).shown_class == "Linear"
 
 
 def test_resolve_reads_back_every_number() -> None:
@@ -85,11 +71,11 @@ def test_resolve_reads_back_every_number() -> None:
         4,
         "eval",
         entries=[
-            Entry("weight", measure(a)),
-            Entry("input[0]", measure(b)),
-            Entry("output", measure(c)),
-            Entry("input[1]", note="None"),
-            Entry("bias", measure(torch.empty(0, 2))),
+            Entry("weight", Role.PARAMETER, measure(a)),
+            Entry("input[0]", Role.INPUT, measure(b)),
+            Entry("output", Role.OUTPUT, measure(c)),
+            Entry("input[1]", Role.INPUT, note="None"),
+            Entry("bias", Role.PARAMETER, measure(torch.empty(0, 2))),
         ],
     )
     (resolved,) = resolve([frame])
@@ -100,15 +86,16 @@ def test_resolve_reads_back_every_number() -> None:
         "eval",
     )
     weight, ints, output, none, bias = resolved.entries
-    assert weight == ResolvedEntry("weight", 0.5, 3.0, "float32", (2,), None)
-    assert ints == ResolvedEntry("input[0]", 2, 7, "int32", (2,), None)
+    assert weight == ResolvedEntry("weight", Role.PARAMETER, 0.5, 3.0, "float32", (2,), None, FREE)
+    assert ints == ResolvedEntry("input[0]", Role.INPUT, 2, 7, "int32", (2,), None, FREE)
     assert isinstance(ints.abs_max, int)
     assert output.abs_min == 1.0
     assert output.abs_max == math.inf
     assert output.dtype == "float16"
     assert output.non_finite
-    assert none == ResolvedEntry("input[1]", None, None, None, None, "None")
-    assert bias == ResolvedEntry("bias", None, None, "float32", (0, 2), "empty")
+    assert output.stats == {}  # inf: its counts are not known for free
+    assert none == ResolvedEntry("input[1]", Role.INPUT, None, None, None, None, "None")
+    assert bias == ResolvedEntry("bias", Role.PARAMETER, None, None, "float32", (0, 2), "empty")
     assert resolved.non_finite
     assert not weight.non_finite
     assert not ints.non_finite
@@ -118,8 +105,13 @@ def test_resolve_keeps_frame_order_and_handles_a_measurement_shared_by_two_frame
     # A module's output is the next module's input: the cache hands both frames the same Measurement object.
     shared = measure(torch.tensor([2.0, -9.0]))
     frames = [
-        Frame("first", "A", 0, entries=[Entry("output", shared)]),
-        Frame("second", "B", 0, entries=[Entry("input[0]", shared), Entry("output", measure(torch.ones(1)))]),
+        Frame("first", "A", 0, entries=[Entry("output", Role.OUTPUT, shared)]),
+        Frame(
+            "second",
+            "B",
+            0,
+            entries=[Entry("input[0]", Role.INPUT, shared), Entry("output", Role.OUTPUT, measure(torch.ones(1)))],
+        ),
     ]
     first, second = resolve(frames)
     assert first.module_name == "first"

@@ -7,18 +7,19 @@ import json
 import pytest
 import torch
 
-from nanwatch.core.frames import Entry, Frame, ResolvedEntry, ResolvedFrame, resolve
+from nanwatch.core.frames import Direction, Entry, Frame, ResolvedEntry, ResolvedFrame, Role, resolve
 from nanwatch.core.report import (
     MODULE_INDENT,
     TABLE_HEADER,
     Report,
+    ReportSection,
     format_entry,
     format_frame,
     format_module_line,
     format_note_line,
-    format_value_line,
 )
-from nanwatch.core.stats import measure
+from nanwatch.core.stats.abs_range import format_range
+from nanwatch.core.stats.measure import measure
 
 
 def _frames() -> list[ResolvedFrame]:
@@ -29,9 +30,9 @@ def _frames() -> list[ResolvedFrame]:
                 "Linear",
                 3,
                 entries=[
-                    Entry("weight", measure(torch.tensor([1.01e-06, -6.44]))),
-                    Entry("input[0]", measure(torch.tensor([0.0, 9.74e03]))),
-                    Entry("output", measure(torch.tensor([-3.18e-04, 6.27e04]))),
+                    Entry("weight", Role.PARAMETER, measure(torch.tensor([1.01e-06, -6.44]))),
+                    Entry("input[0]", Role.INPUT, measure(torch.tensor([0.0, 9.74e03]))),
+                    Entry("output", Role.OUTPUT, measure(torch.tensor([-3.18e-04, 6.27e04]))),
                 ],
             ),
             Frame(
@@ -39,10 +40,10 @@ def _frames() -> list[ResolvedFrame]:
                 "Dropout",
                 3,
                 entries=[
-                    Entry("input[0]", measure(torch.tensor([3.18e-04, 6.27e04]))),
-                    Entry("output", measure(torch.tensor([0.0, float("inf")], dtype=torch.float16))),
-                    Entry("input[1]", note="None"),
-                    Entry("input[2]", note="not a tensor"),
+                    Entry("input[0]", Role.INPUT, measure(torch.tensor([3.18e-04, 6.27e04]))),
+                    Entry("output", Role.OUTPUT, measure(torch.tensor([0.0, float("inf")], dtype=torch.float16))),
+                    Entry("input[1]", Role.INPUT, note="None"),
+                    Entry("input[2]", Role.INPUT, note="not a tensor"),
                 ],
             ),
         ]
@@ -95,7 +96,7 @@ def test_note_lines_are_right_aligned_in_17_columns() -> None:
     assert format_note_line("None", "input[1]") == "             None input[1]"
     assert format_note_line("not a tensor", "output") == "     not a tensor output"
     assert format_note_line("empty", "weight") == "            empty weight"
-    assert format_entry(ResolvedEntry("x", None, None, None, None, None)) == "     not a tensor x"
+    assert format_entry(ResolvedEntry("x", Role.INPUT, None, None, None, None, None)) == "     not a tensor x"
 
 
 FLOAT_VALUES = [[1e-8, -3.3e4], [0.0, 1.0], [float("inf"), 2.0], [float("nan"), 1.0], [-1e-45, 3.4e38], [1234.5, 1e-3]]
@@ -110,15 +111,46 @@ CASES = [(values, dtype) for values in FLOAT_VALUES for dtype in (torch.float32,
 def test_value_lines_match_transformers_get_abs_min_max(values: list[float], dtype: torch.dtype) -> None:
     debug_utils = pytest.importorskip("transformers.debug_utils")
     tensor = torch.tensor(values, dtype=torch.float64).to(dtype)
-    (frame,) = resolve([Frame("m", "M", 0, entries=[Entry("output", measure(tensor))])])
+    (frame,) = resolve([Frame("m", "M", 0, entries=[Entry("output", Role.OUTPUT, measure(tensor))])])
     assert format_entry(frame.entries[0]) == debug_utils.get_abs_min_max(tensor, "output")
 
 
-def test_format_value_line_and_frame() -> None:
-    assert format_value_line(0.5, 65504.0, "weight") == "5.00e-01 6.55e+04 weight"
-    assert format_value_line(0, 255, "input[0]") == "0.00e+00 2.55e+02 input[0]"
-    frame = ResolvedFrame("", "GPT2Model", 0, "train", (ResolvedEntry("output", None, None, None, None, "None"),))
+def test_format_range_and_frame() -> None:
+    assert format_range(0.5, 65504.0) == "5.00e-01 6.55e+04"
+    assert format_range(0, 255) == "0.00e+00 2.55e+02"
+    assert format_entry(ResolvedEntry("weight", Role.PARAMETER, 0.5, 65504.0, "float16", (2,), None)) == (
+        "5.00e-01 6.55e+04 weight"
+    )
+    none = ResolvedEntry("output", Role.OUTPUT, None, None, None, None, "None")
+    frame = ResolvedFrame("", "GPT2Model", 0, "train", (none,))
     assert format_frame(frame) == "                   GPT2Model\n             None output"
+    backward = ResolvedFrame("0", "Linear", 0, "train", (none,), Direction.BACKWARD)
+    assert format_frame(backward).splitlines()[0] == "                  0 Linear (backward)"
+
+
+def test_sections_follow_the_frames_in_order_after_one_blank_line() -> None:
+    report = Report(3, "train", 0, 1, "m", _frames())
+    scale = ReportSection("loss_scale", 20, ("Loss scale (GradScaler): 65536 at batch 0",), {"current": 65536.0})
+    culprit = ReportSection("culprit", 10, ("first non-finite value produced by m",), {"kind": "produced"}, "payload")
+    both = report.with_section(scale).with_section(culprit)
+    assert (
+        both.to_text()
+        == report.to_text() + "\n\nfirst non-finite value produced by m\nLoss scale (GradScaler): 65536 at batch 0"
+    )
+    assert both.footer() == both.to_text()[len(report.to_text()) :]
+    assert both.culprit == "payload"
+    data = both.to_dict()
+    assert list(data)[-2:] == ["loss_scale", "culprit"]
+    assert (data["loss_scale"], data["culprit"]) == ({"current": 65536.0}, {"kind": "produced"})
+    assert report.to_dict()["culprit"] is None
+    assert report.to_dict()["loss_scale"] is None
+    replaced = both.with_section(ReportSection("culprit", 10, ("another",), None))
+    assert replaced.to_text().endswith("\n\nanother\nLoss scale (GradScaler): 65536 at batch 0")
+
+
+def test_a_report_with_backward_frames_says_so() -> None:
+    frame = ResolvedFrame("0", "Linear", 1, "train", (), Direction.BACKWARD)
+    assert Report(1, "train", 0, 1, "0", [frame]).to_text().splitlines()[1] == "Last 1 forward and backward frames:"
 
 
 def test_dict_and_json_carry_the_same_frames() -> None:
@@ -158,7 +190,8 @@ def test_dict_and_json_carry_the_same_frames() -> None:
 
 
 def test_nan_becomes_a_string_in_json() -> None:
-    frames = resolve([Frame("m", "M", 0, entries=[Entry("output", measure(torch.tensor([float("nan")])))])])
+    nan = measure(torch.tensor([float("nan")]))
+    frames = resolve([Frame("m", "M", 0, entries=[Entry("output", Role.OUTPUT, nan)])])
     entry = json.loads(Report(0, "train", 0, 1, "m", frames).to_json())["frames"][0]["entries"][0]
     assert entry["abs_min"] == "nan"
     assert entry["abs_max"] == "nan"

@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-import nanwatch.core.headroom
-import nanwatch.core.stats
+import nanwatch.core.features.headroom
+import nanwatch.core.stats.measure
 import nanwatch.core.watcher
 from nanwatch import BatchLimitReached, NanwatchWarning, NonFiniteError, WatchConfig
 from nanwatch.core.frames import ResolvedFrame, resolve
@@ -58,10 +58,10 @@ def test_attach_hooks_every_module_once_and_detach_removes_them() -> None:
         assert len(module._forward_hooks) == 1
     with pytest.raises(RuntimeError, match="already attached"):
         watcher.attach()
-    watcher.detach()
+    watcher.close(check=False)
     assert not watcher.attached
     assert _our_hook_count(model) == 0
-    watcher.detach()  # twice is fine
+    watcher.close(check=False)  # twice is fine
 
 
 def test_frames_are_named_by_qualified_name_in_hook_order() -> None:
@@ -199,7 +199,7 @@ def test_rank_and_world_size_appear_in_the_report() -> None:
 def test_set_phase_rejects_unknown_phases() -> None:
     watcher = Watcher(_model(), WatchConfig())
     with pytest.raises(ValueError, match=r"phase can be one of \('train', 'eval'\), got 'test'"):
-        watcher.set_phase("test")
+        watcher.start_batch("test")
 
 
 def test_eval_phase_is_recorded_only_with_watch_eval_and_counted_apart() -> None:
@@ -207,14 +207,14 @@ def test_eval_phase_is_recorded_only_with_watch_eval_and_counted_apart() -> None
         model = _model()
         watcher = Watcher(model, WatchConfig(watch_eval=watch_eval))
         watcher.attach()
-        watcher.set_phase("eval")
+        watcher.start_batch("eval")
         assert watcher.recording is watch_eval
         model(torch.randn(2, 4))
         assert len(watcher.recent_frames()) == (5 if watch_eval else 0)
         watcher.end_batch()
         assert watcher.batch_number == 0
         assert watcher.eval_batch_number == 1
-        watcher.set_phase("train")
+        watcher.start_batch("train")
         assert watcher.recording
 
 
@@ -319,7 +319,7 @@ def test_weights_are_remeasured_after_half_and_to_in_eval() -> None:
     model = _model()
     watcher = Watcher(model, WatchConfig(watch_eval=True))
     watcher.attach()
-    watcher.set_phase("eval")
+    watcher.start_batch("eval")
     x = torch.randn(2, 4)
     model(x)
     watcher.end_batch()
@@ -337,13 +337,13 @@ def test_weights_changed_between_train_and_eval_are_remeasured() -> None:
     watcher.attach()
     x = torch.randn(2, 4)
     model(x)
-    watcher.set_phase("eval")  # e.g. swap in EMA weights for evaluation, through `.data`
+    watcher.start_batch("eval")  # e.g. swap in EMA weights for evaluation, through `.data`
     model[0].weight.data.mul_(-3.0)
     model(x)
     assert _weight_line(watcher, "0") == _abs_range(model[0].weight)
     watcher.end_batch()
     model[0].weight.data.mul_(0.5)
-    watcher.set_phase("train")
+    watcher.start_batch("train")
     model(x)
     assert _weight_line(watcher, "0") == _abs_range(model[0].weight)
 
@@ -376,10 +376,10 @@ def test_a_failure_in_measuring_disables_watching_and_the_run_goes_on(monkeypatc
     watcher = Watcher(model, WatchConfig())
     watcher.attach()
 
-    def broken(tensor: torch.Tensor) -> nanwatch.core.stats.Measurement:
+    def broken(tensor: torch.Tensor, kernels: object = ()) -> nanwatch.core.stats.measure.Measurement:
         raise RuntimeError("simulated bookkeeping bug")
 
-    monkeypatch.setattr(nanwatch.core.stats, "measure", broken)
+    monkeypatch.setattr(nanwatch.core.stats.measure, "measure", broken)
     with pytest.warns(NanwatchWarning, match="simulated bookkeeping bug"):
         output = model(x)
     assert torch.equal(output, expected)  # the user's forward ran and returned its own result
@@ -390,7 +390,7 @@ def test_a_failure_in_measuring_disables_watching_and_the_run_goes_on(monkeypatc
     model(x)  # no second warning, nothing recorded
     watcher.end_batch()
     assert watcher.batch_number == 1
-    watcher.set_phase("train")
+    watcher.start_batch("train")
     assert not watcher.recording  # a phase change does not switch a disabled watcher back on
 
 
@@ -404,11 +404,11 @@ def test_a_failure_in_checking_disables_watching(monkeypatch: pytest.MonkeyPatch
     def broken(*args: object) -> bool:
         raise RuntimeError("simulated check bug")
 
-    # The batch check is find_non_finite, or with headroom checks on (the default) the monitor's combined read.
+    # The batch check's one read, or with headroom checks on (the default) the feature's flags in that read.
     if headroom is None:
-        monkeypatch.setattr(nanwatch.core.watcher, "find_non_finite", broken)
+        monkeypatch.setattr(nanwatch.core.watcher, "read_flags", broken)
     else:
-        monkeypatch.setattr(nanwatch.core.headroom.HeadroomMonitor, "suspicious", broken)
+        monkeypatch.setattr(nanwatch.core.features.headroom.HeadroomMonitor, "screen", broken)
     with pytest.warns(NanwatchWarning, match="simulated check bug"):
         watcher.end_batch()
     assert watcher.batch_number == 1

@@ -1,4 +1,6 @@
-"""Adapters: each maps one framework's counters and phases onto the core `Watcher`.
+"""Adapters: each maps one framework's events onto the engine's contract (core/watcher.py), sharing `_common`.
 
-Only `plain` is imported eagerly; `lightning`, `accelerate` and `hf_trainer` import their framework when used.
+`plain` (`nanwatch.watch`), `lightning`, `accelerate` and `hf_trainer`; each imports its framework only when used.
 """
+
+__all__: list[str] = []

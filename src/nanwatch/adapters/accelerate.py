@@ -1,41 +1,26 @@
 """The Accelerate adapter: `OverflowTracker`, a tracker you pass to `Accelerator(log_with=[...])`.
 
 Accelerate calls a tracker's `log()` on the main process only and resets `accelerator.step` every epoch, so neither
-drives nanwatch. After `accelerator.prepare(...)`, every rank calls `tracker.attach(accelerator, model)`, which puts:
-
-- a forward hook on every module of the unwrapped model (the core's recording);
-- a forward pre-hook on the unwrapped root: a training-mode forward starts a new micro-batch and ends the previous
-  one (its check, and the all-reduce if no optimizer step agreed on it yet), so every micro-batch counts under
-  gradient accumulation; an eval-mode forward is not counted or watched unless `watch_eval`;
-- step pre/post hooks on the real optimizer inside each prepared `AcceleratedOptimizer`: it only runs on the
-  micro-batch that ends an accumulation window (`sync_gradients`), on every rank, so the check and its all-reduce
-  happen there, before the weights change. A step GradScaler skips never reaches the hooks (a fused optimizer's
-  does, with `found_inf` set, and applies nothing): the micro-batch is checked at the next forward instead.
-
-Under fp16 the Accelerator's own `GradScaler` (`accelerator.scaler`) is followed (see core/amp.py): with
-`watch_gradients`, inf/nan gradients on a step the scaler skips are logged and the run goes on, the scale's history
-goes into every report, and the run stops when the scale falls below `min_loss_scale`, when inf/nan is in the
-forward (weights, activations, a loss the model returns or one given to `watch_loss`), or when inf/nan gradients
-are about to be applied by a step the scaler let through (checked in the step pre-hook, before the weights change).
-
-The epoch is the `iteration` of the prepared dataloader being iterated, unless `set_epoch()` says otherwise. With
-`summary_every_n_batches`, the main process sends the per-module abs max to the other trackers via `accelerator.log`.
+drives nanwatch. After `accelerator.prepare(...)`, every rank calls `tracker.attach(accelerator, model)`: a
+training-mode forward of the unwrapped model starts a micro-batch and ends the previous one (every micro-batch of an
+accumulation window counts); the real optimizer's step pre-hook (inside each `AcceleratedOptimizer`) is where every
+rank checks and agrees, before the weights change. Under fp16 the Accelerator's `GradScaler` is followed. The epoch is
+the prepared dataloader's `iteration`, unless `set_epoch()` says otherwise. More: docs/frameworks.md.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from nanwatch.core.amp import scaler_of
+from nanwatch.adapters._common import add_phase_hook, guard_optimizers, stop_on_error
 from nanwatch.core.config import WatchConfig, resolve_config
-from nanwatch.core.summary import Summary
+from nanwatch.core.features.loss_scale import scaler_of
+from nanwatch.core.features.summary import Summary
 from nanwatch.core.watcher import Watcher
-from nanwatch.errors import NanwatchError
 
 _IMPORT_ERROR: ImportError | None = None
 if TYPE_CHECKING:
@@ -93,8 +78,6 @@ class OverflowTracker(GeneralTracker):  # type: ignore[misc]
         """Called by `accelerator.end_training()` (main process only): remove this process's hooks."""
         self.detach()
 
-    # ------------------------------------------------------------------------------------------------ attaching
-
     def attach(
         self,
         accelerator: Accelerator,
@@ -126,18 +109,13 @@ class OverflowTracker(GeneralTracker):  # type: ignore[misc]
         watcher.attach()
         # First of the root's pre-hooks: the previous micro-batch ends (and may be reported, with its replay copy)
         # before anything starts recording the new one.
-        watcher.hooks.add_handle(root.register_forward_pre_hook(self._before_root_forward, prepend=True))
+        add_phase_hook(watcher, root, self._before_root_forward, prepend=True)
         watcher.hooks.add_forward(root, self._after_root_forward)
         if optimizers is None:
             optimizers = list(getattr(accelerator, "_optimizers", []))
         elif isinstance(optimizers, torch.optim.Optimizer):
             optimizers = [optimizers]
-        for index, optimizer in enumerate(optimizers):
-            # AcceleratedOptimizer is no torch Optimizer inside (it skips Optimizer.__init__): hook the real one.
-            real = getattr(optimizer, "optimizer", optimizer)
-            watcher.hooks.add_handle(real.register_step_pre_hook(self._before_optimizer_step))
-            if index == 0:  # several optimizers step together; count the steps of one
-                watcher.hooks.add_handle(real.register_step_post_hook(self._after_optimizer_step))
+        guard_optimizers(watcher, optimizers, run=lambda action: stop_on_error(watcher, action))
         if optimizers and watcher.optimizer_step is None:
             watcher.optimizer_step = 0
         scaler = scaler_of(accelerator)  # None unless fp16 runs on a device Accelerate builds a GradScaler for
@@ -149,13 +127,8 @@ class OverflowTracker(GeneralTracker):  # type: ignore[misc]
 
     def detach(self) -> None:
         """Remove every hook (on all modules and optimizers); log a report if the last frames hold inf/nan."""
-        watcher = self.watcher
-        if watcher is None or not watcher.attached:
-            return
-        try:
-            watcher.flush()
-        finally:
-            watcher.detach()
+        if self.watcher is not None and self.watcher.attached:
+            self.watcher.close()
 
     def __enter__(self) -> OverflowTracker:
         return self
@@ -175,8 +148,6 @@ class OverflowTracker(GeneralTracker):  # type: ignore[misc]
         if self.watcher is not None:
             self.watcher.watch_loss(loss)
         return loss
-
-    # ------------------------------------------------------------------------------------------------ counters
 
     @property
     def batch_number(self) -> int:
@@ -207,50 +178,27 @@ class OverflowTracker(GeneralTracker):  # type: ignore[misc]
             self.watcher.load_state_dict(state)
         self._batch_open = False
 
-    # --------------------------------------------------------------------------------------------------- hooks
-
-    def _stopping(self, action: Callable[[], None]) -> None:
-        # A detection or the batch limit ends the run: remove the hooks before the error leaves nanwatch.
-        try:
-            action()
-        except NanwatchError:
-            if self.watcher is not None:
-                self.watcher.detach()
-            raise
-
     def _before_root_forward(self, module: torch.nn.Module, args: tuple[Any, ...]) -> None:
         watcher = self.watcher
         if watcher is None:
             return
         if not module.training:
-            if watcher.phase != "eval":
-                watcher.set_phase("eval")  # the open training micro-batch stays open across evaluation
+            watcher.start_batch("eval")  # the open training micro-batch stays open across evaluation
             return
-        if watcher.phase != "train":
-            watcher.set_phase("train")
+        epoch = self._user_epoch
+        if epoch is None and self._accelerator is not None:
+            iteration = getattr(self._accelerator.gradient_state.active_dataloader, "iteration", None)
+            epoch = iteration if isinstance(iteration, int) else watcher.epoch
+        watcher.start_batch("train")  # back in the open micro-batch's phase
         if self._batch_open:
-            self._stopping(watcher.end_batch)
+            stop_on_error(watcher, watcher.end_batch)
         self._batch_open = True
-        if self._user_epoch is None and self._accelerator is not None:
-            dataloader = self._accelerator.gradient_state.active_dataloader
-            iteration = getattr(dataloader, "iteration", None)
-            if isinstance(iteration, int):
-                watcher.epoch = iteration
+        watcher.start_batch("train", epoch=epoch)
 
     def _after_root_forward(self, module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
         watcher = self.watcher
         if watcher is not None and watcher.phase == "eval" and watcher.recording:
-            self._stopping(watcher.end_eval_batch)
-
-    def _before_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        # Under a GradScaler this runs only for steps it lets through (`scaler.step` calls `optimizer.step` then).
-        watcher = self.watcher
-        if watcher is not None:
-            self._stopping(lambda: watcher.before_optimizer_step(optimizer))
-
-    def _after_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if self.watcher is not None:
-            self.watcher.after_optimizer_step()
+            stop_on_error(watcher, watcher.end_batch)  # this rank alone: evaluation may run on some ranks only
 
     def _send_summary(self, summary: Summary) -> None:
         # Main process only (no collective here). To the other trackers through `accelerator.log`, at the optimizer

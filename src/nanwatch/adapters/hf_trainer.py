@@ -1,20 +1,11 @@
 """The transformers `Trainer` adapter: `Trainer(..., callbacks=[OverflowTrainerCallback(config)])`.
 
-Counters: `batch_number` counts every training micro-batch (each `training_step` call); a micro-batch ends at
-`on_substep_end`, or at `on_pre_optimizer_step` when it is the last one before an optimizer step. Both are reached by
-every rank, so the one all-reduce per micro-batch sits there, and a step that would apply inf/nan never runs. The
-report's optimizer step is `state.global_step` (steps completed so far) and its epoch is `floor(state.epoch)`.
-
-Under fp16 the Trainer's `GradScaler` is followed (see core/amp.py). The Trainer makes it in its `Accelerator`, which
-hands it to the optimizer it prepares: the callback finds it there (`optimizer.scaler`, the optimizer the Trainer
-passes to callbacks). With `watch_gradients`, inf/nan gradients on a step the scaler skips are logged and the run goes
-on; a step the scaler lets through is checked once more in the optimizer's step pre-hook (all ranks reach it alike),
-so inf/nan gradients never reach the weights. The scale's history goes into every report and stays in `loss_scale`
-after training; the run stops when the scale falls below `min_loss_scale` or inf/nan is in the forward (weights,
-activations, or the loss the model returns).
-
-With `summary_every_n_batches`, a due summary makes the Trainer log at the end of that optimizer step (its loss
-too); the values join `state.log_history` and the `logs` that callbacks after this one receive in `on_log`.
+Counters: `batch_number` counts every training micro-batch (each `training_step` call), resumed from checkpoints; a
+micro-batch ends at `on_substep_end`, or at `on_pre_optimizer_step` when it is the last one before an optimizer step.
+Both are reached by every rank, so the check's all-reduce sits there, and a step that would apply inf/nan never runs.
+The report's optimizer step is `state.global_step` and its epoch `floor(state.epoch)`. Under fp16 the Trainer's
+`GradScaler` (which its Accelerator hands to the optimizer) is followed; its scale is read after each optimizer step.
+More: docs/frameworks.md.
 """
 
 from __future__ import annotations
@@ -26,10 +17,10 @@ from typing import Any
 
 import torch
 
-from nanwatch.adapters.plain import unwrap_model
-from nanwatch.core.amp import LossScaleHistory, scaler_of
+from nanwatch.adapters._common import add_phase_hook, guard_optimizers, unwrap_model
 from nanwatch.core.config import WatchConfig, resolve_config
-from nanwatch.core.summary import Summary
+from nanwatch.core.features.loss_scale import LossScaleHistory, scaler_of
+from nanwatch.core.features.summary import Summary
 from nanwatch.core.watcher import Watcher
 
 try:
@@ -46,10 +37,6 @@ __all__ = ["OverflowTrainerCallback"]
 
 class OverflowTrainerCallback(TrainerCallback):  # type: ignore[misc,unused-ignore]
     """Watches every module of the model a transformers `Trainer` trains, and stops the run at the first inf/nan.
-
-    Every rank raises `NonFiniteError` (carrying the detecting rank and batch) before the optimizer step that would
-    apply the bad micro-batch, so the weights stay those from before it. The rank that saw inf/nan logs its report
-    and writes it to `report_dir`. Evaluation forwards are only watched with `watch_eval=True`, counted apart.
 
     Hooks are attached in `on_train_begin` and removed in `on_train_end` and before nanwatch raises. The Trainer
     tells callbacks nothing when something else raises: the next `train()` removes stale hooks, or call `close()`.
@@ -78,8 +65,6 @@ class OverflowTrainerCallback(TrainerCallback):  # type: ignore[misc,unused-igno
         self._summary: dict[str, float] | None = None  # due, waiting for the Trainer's next log event
         self.loss_scale: LossScaleHistory | None = None
 
-    # ------------------------------------------------------------------------------------------- lifecycle
-
     def on_train_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
@@ -93,92 +78,65 @@ class OverflowTrainerCallback(TrainerCallback):  # type: ignore[misc,unused-igno
         # Rank and world size come from torch.distributed (as args.process_index does): its default group carries
         # the agreement all-reduce.
         watcher = Watcher(root, self.config)
-        watcher.load_state_dict(
-            {
-                "batch_number": _micro_batches_done(args, state, kwargs.get("train_dataloader")),
-                "optimizer_step": state.global_step,
-                "epoch": _whole_epoch(state),
-            }
-        )
+        batches = _micro_batches_done(args, state, kwargs.get("train_dataloader"))
+        watcher.load_state_dict({"batch_number": batches, "optimizer_step": state.global_step, "epoch": _epoch(state)})
         optimizer = kwargs.get("optimizer")
         scaler = scaler_of(optimizer)  # the Trainer's accelerator's GradScaler, None without fp16 loss scaling
         if scaler is not None:
-            watcher.watch_scaler(scaler)
             # The scale changes only in a step's update(): read it once, after each step (on_optimizer_step).
-            watcher.read_scale_at_batch_end = False
+            watcher.watch_scaler(scaler, read_scale="when_settled")
         watcher.attach()
-        watcher.hooks.add_forward_pre(root, self._before_top_forward)
+        add_phase_hook(watcher, root, self._before_top_forward)
         if scaler is not None and optimizer is not None:
-            real = getattr(optimizer, "optimizer", optimizer)  # inside the AcceleratedOptimizer
-            watcher.hooks.add_handle(real.register_step_pre_hook(self._before_scaled_step))
-            watcher.hooks.add_handle(real.register_step_post_hook(self._after_scaled_step))
+            # Inside `scaler.step`, which calls `optimizer.step` only for a step it does not skip: gradients found
+            # non-finite since on_pre_optimizer_step's check are about to be applied. Every rank gets here alike.
+            guard_optimizers(watcher, [optimizer], run=self._stopping)
         watcher.summary_sink = self._hold_summary  # on every rank: see on_step_end
         self.watcher = watcher
 
     def on_train_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        watcher = self.watcher
-        if watcher is None:
-            return
-        try:
-            watcher.flush()  # only eval forwards can still be pending; local check, no collective at this point
-        finally:
-            self.close()
+        self.close(check=True)  # only eval forwards can still be pending; local check, no collective at this point
 
-    def close(self) -> None:
+    def close(self, *, check: bool = False) -> None:
         """Remove every hook nanwatch put on the model (safe to call more than once)."""
-        if self.watcher is not None:
-            if self.watcher.loss_scale is not None:
-                self.loss_scale = self.watcher.loss_scale.history()
-            self.watcher.detach()
-            self.watcher = None
-
-    # ----------------------------------------------------------------------------------------- micro-batches
+        watcher, self.watcher = self.watcher, None
+        if watcher is not None:
+            if watcher.loss_scale is not None:
+                self.loss_scale = watcher.loss_scale.history()
+            watcher.close(check=check)
 
     def _before_top_forward(self, module: torch.nn.Module, args: tuple[Any, ...]) -> None:
         # The Trainer calls model.train() before each training_step and model.eval() before evaluating.
-        watcher = self.watcher
-        phase = "train" if module.training else "eval"
-        if watcher is not None and phase != watcher.phase:
-            watcher.set_phase(phase)
-
-    def _before_scaled_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        # Inside `scaler.step`, which calls `optimizer.step` only for a step it does not skip: gradients found
-        # non-finite since on_pre_optimizer_step's check are about to be applied. Every rank gets here alike (the
-        # scaler decides from gradients the ranks share), so the check's collective is safe.
-        watcher = self.watcher
-        if watcher is None:
-            return
-        watcher.optimizer_step_applying(optimizer)
-        if self.config.watch_gradients:  # without backward frames nanwatch never lets gradients pass as overflows
-            self._stopping(watcher.check_and_agree)
+        if self.watcher is not None:
+            self.watcher.start_batch("train" if module.training else "eval")
 
     def on_optimizer_step(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         # After `scaler.step` and `scaler.update`, skipped or not: the one reading of the scale per step, so a drop
-        # (and a fall below the floor) is put on the micro-batch whose gradients caused it, and the next check does not
-        # take that drop for a skip of its own step. The scale is the same on every rank: every rank stops here alike.
+        # (and a fall below the floor) is put on the micro-batch whose gradients caused it.
         watcher = self.watcher
         if watcher is not None:
-            self._stopping(lambda: watcher.follow_loss_scale(watcher.batch_number - 1, state.global_step))
-
-    def _after_scaled_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        # The step is over: gradients of the next micro-batch are not judged by it.
-        watcher = self.watcher
-        if watcher is not None and watcher.loss_scale is not None:
-            watcher.loss_scale.step_done()
+            self._stopping(lambda: watcher.on_optimizer_step("settled", optimizer_step=state.global_step))
 
     def on_substep_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        self._end_micro_batch(state)
+        self._end_batch(state, "train")
 
     def on_pre_optimizer_step(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        self._end_micro_batch(state)
+        self._end_batch(state, "train")
+
+    def on_prediction_step(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        # One evaluation batch is over; every rank evaluates the same number of batches, so the collective is safe.
+        if self.watcher is not None and self.watcher.phase == "eval" and self.watcher.recording:
+            self._end_batch(state, "eval")
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         # A summary is due on every rank alike, so every rank asks the Trainer to log: its logging gathers the loss
@@ -206,26 +164,15 @@ class OverflowTrainerCallback(TrainerCallback):  # type: ignore[misc,unused-igno
     def _hold_summary(self, summary: Summary) -> None:
         self._summary = summary.metrics()
 
-    def on_prediction_step(
-        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
-    ) -> None:
-        # One evaluation batch is over; every rank evaluates the same number of batches, so the collective is safe.
-        watcher = self.watcher
-        if watcher is not None and watcher.phase == "eval" and watcher.recording:
-            self._end_batch(watcher, state)
-
-    def _end_micro_batch(self, state: TrainerState) -> None:
+    def _end_batch(self, state: TrainerState, phase: str) -> None:
         watcher = self.watcher
         if watcher is None:
             return
-        if watcher.phase != "train":
-            watcher.set_phase("train")
-        self._end_batch(watcher, state)
-
-    def _end_batch(self, watcher: Watcher, state: TrainerState) -> None:
-        watcher.optimizer_step = state.global_step
-        watcher.epoch = _whole_epoch(state)
-        self._stopping(watcher.end_batch)
+        if phase == "train":
+            watcher.start_batch("train")
+        # Evaluation: every rank evaluates the same batches, so the check agrees across ranks there too.
+        agree = True if phase == "eval" else None
+        self._stopping(lambda: watcher.end_batch(agree=agree, optimizer_step=state.global_step, epoch=_epoch(state)))
 
     def _stopping(self, action: Callable[[], None]) -> None:
         try:
@@ -236,7 +183,7 @@ class OverflowTrainerCallback(TrainerCallback):  # type: ignore[misc,unused-igno
             raise
 
 
-def _whole_epoch(state: TrainerState) -> int | None:
+def _epoch(state: TrainerState) -> int | None:
     # state.epoch is fractional (epoch + share of it done); its floor is the epoch in progress.
     return None if state.epoch is None else math.floor(state.epoch)
 

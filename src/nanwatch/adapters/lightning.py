@@ -1,24 +1,10 @@
 """Lightning: `Trainer(callbacks=[OverflowCallback()])` watches the LightningModule's submodules for inf/nan.
 
-How Lightning's counters map onto nanwatch's:
-
-- `batch_number`: every training micro-batch since training began, across epochs (with `accumulate_grad_batches`
-  each micro-batch counts). Counted by nanwatch itself in `on_train_batch_end`; Lightning's `batch_idx` restarts
-  every epoch and `global_step` counts optimizer steps, so neither is it.
-- `optimizer_step`: `trainer.global_step` when the micro-batch starts, i.e. the 0-indexed optimizer step that will
-  apply this micro-batch's gradients.
-- `epoch`: `trainer.current_epoch`.
-
-The check of each micro-batch and its one all-reduce run in `on_before_backward` (`on_before_optimizer_step` under
-manual optimization), which every rank reaches: inf/nan raises `NonFiniteError` there on every rank, so the optimizer
-step that would apply it never runs. `abort_after_batch_num` stops the run the Lightning way, by setting
-`trainer.should_stop` (as `EarlyStopping` does): `fit()` returns normally, loggers and checkpoints are finalized.
-With `summary_every_n_batches`, rank zero sends the per-module abs max to every logger in `trainer.loggers` at
-`trainer.global_step` (to the "nanwatch" logger when the Trainer has none).
-With `watch_gradients`, `on_before_optimizer_step` is an agreement point too (a second all-reduce per optimizer step),
-so an inf/nan gradient stops the run before the step that would apply it. Under a `GradScaler` (the precision
-plugin's `scaler`, found by itself) inf/nan gradients on steps the scaler skips are expected (see core/amp.py);
-the loss given to `on_before_backward` is recorded as the `(loss)` frame, and the scale is read at each batch end.
+Counters: `batch_number` counts every training micro-batch since training began, across epochs (each micro-batch of
+an accumulation window counts), saved in checkpoints; `optimizer_step` is `trainer.global_step` as the micro-batch
+starts; `epoch` is `trainer.current_epoch`. The check and its all-reduce run in `on_before_backward` (every rank
+reaches it, before the step that would apply the micro-batch), and in `on_before_optimizer_step` under manual
+optimization or with `watch_gradients`. `abort_after_batch_num` sets `trainer.should_stop`. More: docs/frameworks.md.
 """
 
 from __future__ import annotations
@@ -29,9 +15,11 @@ from typing import TYPE_CHECKING, Any
 from torch import Tensor
 from torch.optim import Optimizer
 
-from nanwatch.core.amp import GradScalerLike, scaler_of
+from nanwatch.adapters._common import guard_optimizers
 from nanwatch.core.config import WatchConfig, resolve_config
-from nanwatch.core.summary import Summary
+from nanwatch.core.features.loss_scale import scaler_of
+from nanwatch.core.features.summary import Summary
+from nanwatch.core.log import get_logger
 from nanwatch.core.watcher import Watcher
 from nanwatch.errors import BatchLimitReached, NonFiniteError
 
@@ -49,15 +37,11 @@ else:
 
 
 class OverflowCallback(Callback):
-    """A Lightning callback that finds the first inf/nan in a forward pass and stops every rank there.
+    """A Lightning callback that finds the first inf/nan and stops every rank there.
 
     Args:
         config: a `WatchConfig`, a dict of its fields, or the path of a YAML/JSON file; defaults when None.
         **overrides: fields of `WatchConfig` that replace those of `config` (e.g. `max_frames_to_save=50`).
-
-    Attributes:
-        config: the resolved `WatchConfig`.
-        watcher: the core `Watcher` while a fit (or a watched validate/test) runs; None before and after.
 
     Raises:
         ImportError: the `lightning` package is not installed.
@@ -72,11 +56,8 @@ class OverflowCallback(Callback):
             ) from _LIGHTNING_IMPORT_ERROR
         super().__init__()
         self.config = resolve_config(config, **overrides)
-        self.watcher: Watcher | None = None
-        # Counters kept between fits and restored from a checkpoint before `on_fit_start` creates the watcher.
-        self._counters: dict[str, Any] | None = None
-
-    # ------------------------------------------------------------------------------------------- lifecycle
+        self.watcher: Watcher | None = None  # while a fit (or a watched validate/test) runs
+        self._counters: dict[str, Any] | None = None  # kept between fits, restored from checkpoints
 
     def _start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.watcher is not None:
@@ -92,14 +73,16 @@ class OverflowCallback(Callback):
             watcher.summary_sink = lambda summary: _log_summary(trainer, summary)
         scaler = scaler_of(trainer.precision_plugin)  # MixedPrecision("16-mixed") and FSDP's have one
         if scaler is not None:
-            _follow_scaler(watcher, scaler, trainer.optimizers)
+            watcher.watch_scaler(scaler)
+            # `scaler.step(optimizer)` calls `optimizer.step()` only for the steps it does not skip.
+            guard_optimizers(watcher, trainer.optimizers, count_steps=False)
         self.watcher = watcher
 
-    def _stop(self) -> None:
+    def _stop(self, *, check: bool = False) -> None:
         if self.watcher is not None:
             self._counters = self.watcher.state_dict()
-            self.watcher.detach()
-            self.watcher = None
+            watcher, self.watcher = self.watcher, None
+            watcher.close(check=check)
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._start(trainer, pl_module)
@@ -116,27 +99,20 @@ class OverflowCallback(Callback):
         self._stop()
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
-        # Lightning re-raises `exception` after this hook; nothing here may replace or hide it.
+        # Lightning re-raises `exception` after this hook; nothing here may replace or hide it. The user's own error
+        # may come from an inf/nan we saw: check what is pending (no collective) and publish it.
         try:
-            if self.watcher is not None and not isinstance(exception, NonFiniteError):
-                self.watcher.flush()  # the user's own error may come from an inf/nan we saw: log it, no collective
+            self._stop(check=not isinstance(exception, NonFiniteError))
         except Exception as error:
-            if self.watcher is not None:
-                self.watcher.logger.warning(f"nanwatch could not check the last batch after {exception!r}: {error!r}")
-        finally:
-            self._stop()
-
-    # ------------------------------------------------------------------------------------------- training
+            get_logger().warning(f"nanwatch could not check the last batch after {exception!r}: {error!r}")
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         if self.watcher is not None:
-            self.watcher.set_phase("train")
-            self.watcher.optimizer_step = trainer.global_step
-            self.watcher.epoch = trainer.current_epoch
+            self.watcher.start_batch("train", optimizer_step=trainer.global_step, epoch=trainer.current_epoch)
 
     def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: Tensor) -> None:
         if self.watcher is not None and self.watcher.loss_scale is not None:
-            # Under a scaler an inf loss would pass for an overflow the scaler handles (core/amp.py).
+            # Under a scaler an inf loss would pass for an overflow the scaler handles (core/features/loss_scale.py).
             self.watcher.watch_loss(loss)
         # Automatic optimization runs exactly one backward per micro-batch, before any optimizer step that uses it.
         if self.watcher is not None and pl_module.automatic_optimization:
@@ -160,13 +136,11 @@ class OverflowCallback(Callback):
             self.watcher.logger.info(str(stop))
             trainer.should_stop = True
 
-    # ------------------------------------------------------------------------------------ validation, test
-
     def on_validation_batch_start(
         self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
     ) -> None:
         if self.watcher is not None:
-            self.watcher.set_phase("eval")  # stops recording unless config.watch_eval
+            self.watcher.start_batch("eval")  # recorded only with config.watch_eval
 
     def on_validation_batch_end(
         self,
@@ -178,25 +152,10 @@ class OverflowCallback(Callback):
         dataloader_idx: int = 0,
     ) -> None:
         if self.watcher is not None and self.config.watch_eval:
-            self.watcher.end_batch()
+            self.watcher.end_batch(agree=True)  # every rank validates the same number of batches
 
-    def on_test_batch_start(
-        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
-    ) -> None:
-        self.on_validation_batch_start(trainer, pl_module, batch, batch_idx, dataloader_idx)
-
-    def on_test_batch_end(
-        self,
-        trainer: Trainer,
-        pl_module: LightningModule,
-        outputs: Any,
-        batch: Any,
-        batch_idx: int,
-        dataloader_idx: int = 0,
-    ) -> None:
-        self.on_validation_batch_end(trainer, pl_module, outputs, batch, batch_idx, dataloader_idx)
-
-    # --------------------------------------------------------------------------------------------- state
+    on_test_batch_start = on_validation_batch_start
+    on_test_batch_end = on_validation_batch_end
 
     def state_dict(self) -> dict[str, Any]:
         """The counters (`batch_number`, `eval_batch_number`, `optimizer_step`, `epoch`), saved in checkpoints."""
@@ -211,16 +170,6 @@ class OverflowCallback(Callback):
         self._counters = dict(state_dict)
         if self.watcher is not None:
             self.watcher.load_state_dict(self._counters)
-
-
-def _follow_scaler(watcher: Watcher, scaler: GradScalerLike, optimizers: list[Optimizer]) -> None:
-    # Lightning runs `scaler.step(optimizer)`, which calls `optimizer.step()` only for the steps it does not skip:
-    # the step pre-hook tells the watcher which those are (no collective; a detection waits for the next check).
-    watcher.watch_scaler(scaler)
-    for optimizer in optimizers:
-        watcher.hooks.add_handle(
-            optimizer.register_step_pre_hook(lambda opt, args, kwargs: watcher.optimizer_step_applying(opt))
-        )
 
 
 def _log_summary(trainer: Trainer, summary: Summary) -> None:

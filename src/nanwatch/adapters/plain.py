@@ -1,7 +1,9 @@
 """The plain-PyTorch entry point: `nanwatch.watch(model)` for a hand-written training loop.
 
 The loop calls `handle.step()` after each micro-batch; that is the batch counter. Passing the optimizer lets nanwatch
-check before every optimizer step, so a step that would apply inf/nan never runs.
+check before every optimizer step, so a step that would apply inf/nan never runs. Under a `GradScaler` (`scaler=`),
+the scale of a micro-batch's step is read as the next micro-batch starts: `step()` may come before or after
+`scaler.step()`.
 """
 
 from __future__ import annotations
@@ -13,23 +15,13 @@ from typing import Any
 
 import torch
 
-from nanwatch.core.amp import GradScalerLike
+from nanwatch.adapters._common import add_phase_hook, guard_optimizers, unwrap_model
 from nanwatch.core.config import WatchConfig, resolve_config
-from nanwatch.core.ranks import GlobalDetection
+from nanwatch.core.features.loss_scale import GradScalerLike
 from nanwatch.core.watcher import Watcher
 from nanwatch.errors import LossScaleBelowFloor
 
 __all__ = ["watch", "WatchHandle", "unwrap_model"]
-
-
-def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
-    """The module inside DistributedDataParallel/DataParallel wrappers.
-
-    Names then read `encoder.0`, not `module.encoder.0`.
-    """
-    while isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
-        model = model.module
-    return model
 
 
 class WatchHandle:
@@ -45,22 +37,16 @@ class WatchHandle:
     ) -> None:
         self.model = unwrap_model(model)
         self.watcher = Watcher(self.model, config)
-        if scaler is not None:
-            self.watcher.watch_scaler(scaler)  # before attach: a bad scaler raises with no hook left behind
-            # Read as each micro-batch starts (see _before_top_forward), not in step(): the loop may call step()
-            # before scaler.step(), and a drop read there would be put on the wrong batch.
-            self.watcher.read_scale_at_batch_end = False
+        if scaler is not None:  # before attach: a bad scaler raises with no hook left behind
+            self.watcher.watch_scaler(scaler, read_scale="when_settled")
         self.watcher.attach()
         # Registered after the watcher's own hooks, so on the root they run after its frame was recorded.
-        self.watcher.hooks.add_forward_pre(self.model, self._before_top_forward)
+        add_phase_hook(self.watcher, self.model, self._before_top_forward)
         self.watcher.hooks.add_forward(self.model, self._after_top_forward)
         self._closed = False
-        self._forward_since_step = False
         self._scale_unread = False  # a micro-batch ended; the scaler's verdict on its step is not read yet
         if optimizer is not None:
             self.guard(optimizer)
-
-    # -------------------------------------------------------------------------------------------- counters
 
     @property
     def config(self) -> WatchConfig:
@@ -83,47 +69,23 @@ class WatchHandle:
     def epoch(self, value: int | None) -> None:
         self.watcher.epoch = value
 
-    # --------------------------------------------------------------------------------------------- phases
-
     def _before_top_forward(self, module: torch.nn.Module, args: tuple[Any, ...]) -> None:
-        phase = "train" if module.training else "eval"
-        if phase != self.watcher.phase:
-            self.watcher.set_phase(phase)
-        if phase == "train":
+        if module.training:
             # The first forward of a micro-batch: the previous one's scaler.step() and update() are done, whether
             # step() came before or after them, so a change of the scale seen now is that micro-batch's.
-            self._read_scale_of_last_batch()
-            self._forward_since_step = True
+            self._settle_scale()
+        self.watcher.start_batch("train" if module.training else "eval")
 
     def _after_top_forward(self, module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
         # An eval forward is one eval batch; nobody calls step() for it, so it is checked as soon as it returns.
         if self.watcher.phase == "eval" and self.watcher.recording:
-            local = self.watcher.check_safely()
-            if local is not None:
-                self.watcher.raise_detection(local, GlobalDetection(local.batch_number, self.watcher.rank))
-            self.watcher.end_batch(agree=False)
-
-    # ------------------------------------------------------------------------------------------ the loop
+            self.watcher.end_batch()
 
     def guard(self, optimizer: torch.optim.Optimizer) -> None:
         """Check (and agree across ranks) before each `optimizer.step()`; raise there so the step never runs."""
         if self.watcher.optimizer_step is None:
             self.watcher.optimizer_step = 0
-        self.watcher.hooks.add_handle(optimizer.register_step_pre_hook(self._before_optimizer_step))
-        self.watcher.hooks.add_handle(optimizer.register_step_post_hook(self._after_optimizer_step))
-
-    def _before_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if self._forward_since_step:
-            # covers this micro-batch: step() will run no second collective
-            self.watcher.before_optimizer_step(optimizer)
-        else:
-            # A loop that calls step() before optimizer.step(): this micro-batch was already checked by step();
-            # check again (same collective on every rank) without marking the next micro-batch as checked.
-            self.watcher.optimizer_step_applying(optimizer)
-            self.watcher.check_and_agree()
-
-    def _after_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        self.watcher.after_optimizer_step()
+        guard_optimizers(self.watcher, [optimizer])
 
     def step(self) -> None:
         """End the current training micro-batch: check it, then advance `batch_number`.
@@ -134,18 +96,16 @@ class WatchHandle:
         """
         if self._closed:
             raise RuntimeError("nanwatch: step() called on a closed watch handle")
-        if self.watcher.phase != "train":
-            self.watcher.set_phase("train")
-        self._forward_since_step = False
+        self.watcher.start_batch("train")
         # If the optimizer guard already agreed during this micro-batch, end_batch() runs no second collective.
         self.watcher.end_batch()
         self._scale_unread = True
 
-    def _read_scale_of_last_batch(self) -> None:
+    def _settle_scale(self) -> None:
         # One read of the loss scale per micro-batch (none without a scaler); may raise LossScaleBelowFloor.
         if self._scale_unread:
             self._scale_unread = False
-            self.watcher.follow_loss_scale(self.watcher.batch_number - 1)
+            self.watcher.on_optimizer_step("settled")
 
     def watch_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """Record the loss (computed outside the model) as a frame of its own, module `(loss)`; returns `loss`.
@@ -159,7 +119,7 @@ class WatchHandle:
 
     def check(self) -> None:
         """Check now (one host sync, and a collective when distributed) rather than waiting for `step()`."""
-        self.watcher.check_and_agree()
+        self.watcher.agreement_point(covers_batch=False)
 
     def summary(self) -> dict[str, float]:
         """The abs max of every watched module in the last training batch checked clean, also logged to "nanwatch".
@@ -183,11 +143,10 @@ class WatchHandle:
             return
         self._closed = True
         try:
-            self.watcher.flush()
             with contextlib.suppress(LossScaleBelowFloor):  # published (written and logged); close() never raises it
-                self._read_scale_of_last_batch()  # the last micro-batch's step, if step() came before it
+                self._settle_scale()  # the last micro-batch's step, if step() came before it
         finally:
-            self.watcher.detach()
+            self.watcher.close()
 
     def __enter__(self) -> WatchHandle:
         return self
@@ -202,14 +161,8 @@ class WatchHandle:
         if self._closed:
             return
         self._closed = True
-        try:
-            local = self.watcher.check_safely()
-            if local is None:
-                self._read_scale_of_last_batch()
-        finally:
-            self.watcher.detach()
-        if local is not None:
-            self.watcher.raise_detection(local, GlobalDetection(local.batch_number, self.watcher.rank))
+        self.watcher.close(raise_detection=True)  # inf/nan recorded since the last step(): raised here
+        self._settle_scale()  # the last micro-batch's step: may raise LossScaleBelowFloor
 
 
 def watch(

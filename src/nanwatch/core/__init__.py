@@ -1,15 +1,31 @@
-"""nanwatch's framework-neutral core: hooks, stats, frames, reports, config. Depends on torch only."""
+"""nanwatch's framework-neutral core: the engine, its features, statistics, frames, reports, formats, config.
 
-from nanwatch.core.config import ConfigError, WatchConfig, resolve_config
-from nanwatch.core.frames import Entry, Frame, FrameRing, ResolvedEntry, ResolvedFrame
-from nanwatch.core.ranks import GlobalDetection, agree_on_detection, world_size_and_rank
-from nanwatch.core.report import Report
-from nanwatch.core.stats import Measurement, StatsCache, measure
-from nanwatch.core.watcher import Watcher
+Layers, each importing only those below it (enforced by import-linter, see pyproject.toml): errors -> leaves (config,
+log, walk, hooks, ranks, scope) -> stats -> frames -> report -> events -> formats -> features -> watcher. The names
+below are imported when first used, so reading reports (`nanwatch show`) never imports torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from nanwatch.core.config import WatchConfig, resolve_config
+    from nanwatch.core.events import EngineContext, Feature
+    from nanwatch.core.frames import Direction, Entry, Frame, FrameRing, ResolvedEntry, ResolvedFrame, Role
+    from nanwatch.core.ranks import GlobalDetection, agree_on_detection, world_size_and_rank
+    from nanwatch.core.report import Report
+    from nanwatch.core.stats.measure import Measurement, StatsCache, measure
+    from nanwatch.core.watcher import Watcher
+    from nanwatch.errors import ConfigError
 
 __all__ = [
     "ConfigError",
+    "Direction",
+    "EngineContext",
     "Entry",
+    "Feature",
     "Frame",
     "FrameRing",
     "GlobalDetection",
@@ -17,6 +33,7 @@ __all__ = [
     "Report",
     "ResolvedEntry",
     "ResolvedFrame",
+    "Role",
     "StatsCache",
     "WatchConfig",
     "Watcher",
@@ -25,3 +42,39 @@ __all__ = [
     "resolve_config",
     "world_size_and_rank",
 ]
+
+_HOMES = {
+    "ConfigError": "nanwatch.errors",
+    "WatchConfig": "nanwatch.core.config",
+    "resolve_config": "nanwatch.core.config",
+    "EngineContext": "nanwatch.core.events",
+    "Feature": "nanwatch.core.events",
+    "Direction": "nanwatch.core.frames",
+    "Entry": "nanwatch.core.frames",
+    "Frame": "nanwatch.core.frames",
+    "FrameRing": "nanwatch.core.frames",
+    "ResolvedEntry": "nanwatch.core.frames",
+    "ResolvedFrame": "nanwatch.core.frames",
+    "Role": "nanwatch.core.frames",
+    "GlobalDetection": "nanwatch.core.ranks",
+    "agree_on_detection": "nanwatch.core.ranks",
+    "world_size_and_rank": "nanwatch.core.ranks",
+    "Report": "nanwatch.core.report",
+    "Measurement": "nanwatch.core.stats.measure",
+    "StatsCache": "nanwatch.core.stats.measure",
+    "measure": "nanwatch.core.stats.measure",
+    "Watcher": "nanwatch.core.watcher",
+}
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'nanwatch.core' has no attribute {name!r}")
+    value = getattr(importlib.import_module(home), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

@@ -11,11 +11,9 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from nanwatch.errors import ConfigError
+
 __all__ = ["WatchConfig", "ConfigError", "resolve_config"]
-
-
-class ConfigError(ValueError):
-    """A config file or value is wrong; the message names the field and what was received."""
 
 
 class WatchConfig(BaseModel):

@@ -1,55 +1,108 @@
-"""Frames (one per module call) and the ring that keeps the last few of them."""
+"""Frames (one per module call, forward or backward), their entries, and the ring that keeps the last few.
+
+Meaning lives in types: a frame's `direction` says forward or backward, an entry's `role` says parameter, input,
+output or loss. The text labels (`input[0]`, `grad output`) are made once, where an entry is recorded, and only ever
+shown; nothing reads meaning back from them.
+
+No torch at import: the tools that read reports (`nanwatch show`, `diff`, `plot`) use the resolved side only.
+"""
 
 from __future__ import annotations
 
+import enum
 import math
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
+from nanwatch.core.stats.base import Values
 
-from nanwatch.core.stats import Measurement
+if TYPE_CHECKING:
+    from nanwatch.core.stats.measure import Measurement
 
-__all__ = ["Entry", "Frame", "FrameRing", "ResolvedEntry", "ResolvedFrame", "resolve", "find_non_finite"]
+__all__ = [
+    "BACKWARD_SUFFIX",
+    "Direction",
+    "Entry",
+    "Frame",
+    "FrameRing",
+    "GRAD_PREFIX",
+    "ResolvedEntry",
+    "ResolvedFrame",
+    "Role",
+    "resolve",
+]
+
+# How a backward frame's class and lines are shown: `Linear (backward)`, `grad output`, `grad weight`.
+BACKWARD_SUFFIX = " (backward)"
+GRAD_PREFIX = "grad "
+
+
+class Direction(enum.Enum):
+    """When a frame was recorded: as a module's forward returned, or as autograd produced its gradients."""
+
+    FORWARD = "forward"
+    BACKWARD = "backward"
+
+
+class Role(enum.Enum):
+    """What an entry is to its module call. In a backward frame it is the gradient w.r.t. that tensor."""
+
+    PARAMETER = "parameter"  # the module's own parameter (`weight`, `bias`, ...)
+    INPUT = "input"  # a positional or keyword input (`input[0]`, `input.attention_mask`)
+    OUTPUT = "output"  # what the call returned (`output`, `output[0]`, `output.logits`)
+    LOSS = "loss"  # a loss given to `watch_loss`, computed outside the watched modules
 
 
 @dataclass(slots=True)
 class Entry:
-    """One line of a frame: a parameter, an input or an output."""
+    """One line of a frame: a parameter, an input or an output, with its measurement or a note instead."""
 
     label: str
+    role: Role
     measurement: Measurement | None = None
     note: str | None = None  # set instead of a measurement: "None", "not a tensor", "nested too deep", ...
 
 
 @dataclass(slots=True)
 class Frame:
-    """What one call of one module saw: its own parameters, its inputs and its outputs."""
+    """What one call of one module saw: its own parameters, its inputs and its outputs (or their gradients)."""
 
     module_name: str
     class_name: str
     batch_number: int
     phase: str = "train"
     entries: list[Entry] = field(default_factory=list)
+    direction: Direction = Direction.FORWARD
 
 
 @dataclass(slots=True, frozen=True)
 class ResolvedEntry:
-    """An entry whose numbers have been read back from the device."""
+    """An entry whose numbers have been read back from the device.
+
+    Attributes:
+        abs_min, abs_max: the lead statistic; None when the line has a note instead.
+        stats: the other statistics' values by statistic name (measured, or known for free), where there are any.
+    """
 
     label: str
+    role: Role
     abs_min: float | int | None
     abs_max: float | int | None
     dtype: str | None
     shape: tuple[int, ...] | None
     note: str | None
-    # With count_underflow: (subnormal, target_subnormal, target_zero), -1 where no target applies; see headroom.py.
-    underflow: tuple[int, ...] | None = None
+    stats: Mapping[str, Values] = field(default_factory=dict)
 
     @property
     def non_finite(self) -> bool:
         return isinstance(self.abs_max, float) and not math.isfinite(self.abs_max)
+
+    @property
+    def range(self) -> Values | None:
+        """The lead statistic's values, or None for a line without numbers."""
+        return None if self.abs_max is None else (self.abs_min, self.abs_max)
 
 
 @dataclass(slots=True, frozen=True)
@@ -59,10 +112,20 @@ class ResolvedFrame:
     batch_number: int
     phase: str
     entries: tuple[ResolvedEntry, ...]
+    direction: Direction = Direction.FORWARD
 
     @property
     def non_finite(self) -> bool:
         return any(entry.non_finite for entry in self.entries)
+
+    @property
+    def is_backward(self) -> bool:
+        return self.direction is Direction.BACKWARD
+
+    @property
+    def shown_class(self) -> str:
+        """The class as the text shows it: `Linear`, or `Linear (backward)` for a backward frame."""
+        return self.class_name + BACKWARD_SUFFIX if self.direction is Direction.BACKWARD else self.class_name
 
 
 class FrameRing:
@@ -87,94 +150,50 @@ class FrameRing:
     def frames(self) -> list[Frame]:
         return list(self._frames)
 
+    def last(self, count: int) -> list[Frame]:
+        """The `count` most recent frames (fewer when the ring holds fewer), oldest first."""
+        if count <= 0:
+            return []
+        frames = self._frames
+        start = max(0, len(frames) - count)
+        return [frames[index] for index in range(start, len(frames))]
+
     def __len__(self) -> int:
         return len(self._frames)
 
 
-def _measurements(frames: Sequence[Frame]) -> Iterable[Measurement]:
-    for frame in frames:
-        for entry in frame.entries:
-            if entry.measurement is not None and entry.measurement.abs_max is not None:
-                yield entry.measurement
-
-
-def find_non_finite(frames: Sequence[Frame]) -> bool:
-    """True when any float measurement in `frames` is inf or nan. One host sync per device, however many tensors.
-
-    Runs once per batch over every entry recorded in it, so it is kept lean: a measurement shared by several entries
-    (an output that is the next module's input) is looked at once, and the groups are keyed by dtype and device.
-    """
-    by_group: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-    seen: set[int] = set()
-    for frame in frames:
-        for entry in frame.entries:
-            measurement = entry.measurement
-            if measurement is None:
-                continue
-            maximum = measurement.abs_max
-            # abs_max is nan when any value is nan, inf when any is inf: it alone decides.
-            if maximum is None or not maximum.is_floating_point() or id(measurement) in seen:
-                continue
-            seen.add(id(measurement))
-            key = (maximum.dtype, maximum.device)
-            group = by_group.get(key)
-            if group is None:
-                by_group[key] = [maximum]
-            else:
-                group.append(maximum)
-    if not by_group:
-        return False
-    finite_per_device: dict[torch.device, list[torch.Tensor]] = {}
-    for (_dtype, device), maxima in by_group.items():
-        finite_per_device.setdefault(device, []).append(torch.isfinite(torch.stack(maxima)).all())
-    return any(not bool(torch.stack(flags).all()) for flags in finite_per_device.values())
-
-
 def resolve(frames: Sequence[Frame]) -> list[ResolvedFrame]:
     """Read every number in `frames` back to the host, a handful of transfers in all rather than one per tensor."""
-    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    slots: dict[int, tuple[tuple[torch.device, torch.dtype], int]] = {}
-    for measurement in _measurements(frames):
-        assert measurement.abs_min is not None
-        assert measurement.abs_max is not None
-        key = (measurement.abs_max.device, measurement.abs_max.dtype)
-        group = groups.setdefault(key, [])
-        slots[id(measurement)] = (key, len(group))
-        group.append(measurement.abs_min)
-        group.append(measurement.abs_max)
-    values = {key: torch.stack(tensors).tolist() for key, tensors in groups.items()}
-    underflow = _read_underflow(frames)
+    # torch only here: the reading side of the package is imported by tools that never load it.
+    from nanwatch.core.stats.measure import read_back
+    from nanwatch.core.stats.registry import extras
 
+    numbers = read_back(entry.measurement for frame in frames for entry in frame.entries if entry.measurement)
+    derivable = extras()
     resolved = []
     for frame in frames:
         entries = []
         for entry in frame.entries:
             m = entry.measurement
             if m is None:
-                entries.append(ResolvedEntry(entry.label, None, None, None, None, entry.note))
+                entries.append(ResolvedEntry(entry.label, entry.role, None, None, None, None, entry.note))
                 continue
             dtype = str(m.dtype).replace("torch.", "") if m.dtype is not None else None
-            if m.abs_max is None:
-                entries.append(ResolvedEntry(entry.label, None, None, dtype, m.shape, m.skipped))
+            found = numbers.get(id(m))
+            if found is None:
+                entries.append(ResolvedEntry(entry.label, entry.role, None, None, dtype, m.shape, m.skipped))
                 continue
-            key, index = slots[id(m)]
-            abs_min, abs_max = values[key][index], values[key][index + 1]
-            counts = underflow.get(id(m)) if underflow else None
-            entries.append(ResolvedEntry(entry.label, abs_min, abs_max, dtype, m.shape, None, counts))
+            abs_min, abs_max = found.range
+            stats = dict(found.extra)
+            for statistic in derivable:
+                if statistic.name not in stats:
+                    free = statistic.derive(abs_min, abs_max)
+                    if free is not None:
+                        stats[statistic.name] = free
+            entries.append(ResolvedEntry(entry.label, entry.role, abs_min, abs_max, dtype, m.shape, None, stats))
         resolved.append(
-            ResolvedFrame(frame.module_name, frame.class_name, frame.batch_number, frame.phase, tuple(entries))
+            ResolvedFrame(
+                frame.module_name, frame.class_name, frame.batch_number, frame.phase, tuple(entries), frame.direction
+            )
         )
     return resolved
-
-
-def _read_underflow(frames: Sequence[Frame]) -> dict[int, tuple[int, ...]]:
-    """The underflow counts (only with count_underflow) by measurement id: one transfer per device."""
-    by_device: dict[torch.device, dict[int, torch.Tensor]] = {}
-    for measurement in _measurements(frames):
-        if measurement.underflow is not None:
-            by_device.setdefault(measurement.underflow.device, {})[id(measurement)] = measurement.underflow
-    counts: dict[int, tuple[int, ...]] = {}
-    for vectors in by_device.values():
-        rows = torch.stack(list(vectors.values()))[:, :3].tolist()
-        counts.update((key, tuple(row)) for key, row in zip(vectors, rows, strict=True))
-    return counts

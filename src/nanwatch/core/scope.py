@@ -12,10 +12,12 @@ from __future__ import annotations
 import difflib
 from collections.abc import Iterable, Sequence
 from fnmatch import fnmatchcase
-
-import torch
+from typing import TYPE_CHECKING
 
 from nanwatch.core.config import ConfigError, WatchConfig
+
+if TYPE_CHECKING:
+    import torch  # for the hints only: the tools that read reports select modules without torch
 
 __all__ = ["BatchSchedule", "select_modules", "select_names", "ROOT_NAME"]
 

@@ -6,7 +6,7 @@ import dataclasses
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-__all__ = ["walk", "MAX_DEPTH", "MAX_LEAVES", "TooDeep", "TooMany"]
+__all__ = ["walk", "call_leaves", "MAX_DEPTH", "MAX_LEAVES", "TooDeep", "TooMany"]
 
 MAX_DEPTH = 6  # deeper containers are summarised with one line rather than walked
 MAX_LEAVES = 64  # leaves per input/output; the rest are counted in one line
@@ -63,3 +63,12 @@ def _key_label(label: str, key: object) -> str:
     if isinstance(key, str) and key.isidentifier():
         return f"{label}.{key}"
     return f"{label}[{key!r}]"
+
+
+def call_leaves(args: tuple[Any, ...], output: Any) -> Iterator[tuple[str, Any]]:
+    """`(label, leaf)` for the inputs and outputs of one module call, labelled as frames label them: `input[0]`,
+    `input[1].mask`, `output`, `output[0]`, `output.logits` (the engine's recording takes a faster path to the same
+    labels)."""
+    for index, value in enumerate(args):
+        yield from walk(value, f"input[{index}]")
+    yield from walk(output, "output")

@@ -1,0 +1,90 @@
+"""What every adapter shares: looking through wrappers, guarding optimizers, stopping cleanly, the root pre-hook.
+
+An adapter maps its framework's events onto the engine's contract (core/watcher.py: attach, start_batch, end_batch,
+agreement_point, on_optimizer_step, watch_loss, watch_scaler, close, state dicts) and nothing more.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from nanwatch.core.watcher import Watcher
+from nanwatch.errors import NanwatchError
+
+__all__ = ["unwrap_model", "guard_optimizers", "stop_on_error", "add_phase_hook", "real_optimizer"]
+
+
+def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The module inside DistributedDataParallel/DataParallel wrappers, so names read `encoder.0`, not
+    `module.encoder.0`."""
+    while isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
+        model = model.module
+    return model
+
+
+def real_optimizer(optimizer: Any) -> torch.optim.Optimizer:
+    """The torch optimizer inside a framework's wrapper (Accelerate's `AcceleratedOptimizer` keeps it as
+    `.optimizer` and is no torch Optimizer itself: hooks go on the real one)."""
+    inner = getattr(optimizer, "optimizer", optimizer)
+    if not isinstance(inner, torch.optim.Optimizer):
+        raise TypeError(f"expected a torch.optim.Optimizer (or a wrapper of one), got {type(optimizer).__name__}")
+    return inner
+
+
+def stop_on_error(watcher: Watcher, action: Callable[[], None]) -> None:
+    """Run an engine call; if it raises nanwatch's own error (a detection, the batch limit), remove every hook
+    before the error leaves nanwatch, so a run that stops carries no hook of ours."""
+    try:
+        action()
+    except NanwatchError:
+        watcher.close(check=False)
+        raise
+
+
+Runner = Callable[[Callable[[], None]], None]
+
+
+def _run(action: Callable[[], None]) -> None:
+    action()
+
+
+def guard_optimizers(
+    watcher: Watcher,
+    optimizers: Iterable[Any],
+    *,
+    count_steps: bool = True,
+    run: Runner = _run,
+) -> None:
+    """Check before each step of these optimizers (a step that would apply inf/nan never runs), and count steps.
+
+    Args:
+        optimizers: torch optimizers or wrappers of them.
+        count_steps: count the steps of the first one (several optimizers step together) as `optimizer_step`.
+        run: runs the check; an adapter that cleans up when nanwatch raises passes its own (see `stop_on_error`).
+    """
+    for index, optimizer in enumerate(optimizers):
+        real = real_optimizer(optimizer)
+
+        def before(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+            run(lambda: watcher.on_optimizer_step("before", opt))
+
+        def after(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+            watcher.on_optimizer_step("after", opt)
+
+        watcher.hooks.add_handle(real.register_step_pre_hook(before))
+        if count_steps and index == 0:
+            watcher.hooks.add_handle(real.register_step_post_hook(after))
+
+
+def add_phase_hook(
+    watcher: Watcher,
+    root: torch.nn.Module,
+    before: Callable[[torch.nn.Module, tuple[Any, ...]], None],
+    *,
+    prepend: bool = False,
+) -> None:
+    """A forward pre-hook on the root module (where each top-level forward starts), removed by `watcher.close()`."""
+    watcher.hooks.add_handle(root.register_forward_pre_hook(before, prepend=prepend))

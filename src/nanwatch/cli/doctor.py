@@ -1,0 +1,357 @@
+"""`nanwatch doctor`: can every process of a distributed job reach the others?
+
+Run it the way the real job runs (`torchrun --nproc_per_node N -m nanwatch doctor`), or let it start torchrun itself
+(`nanwatch doctor --nproc N`). Every rank joins the rendezvous, initialises the process group (nccl where CUDA is
+there, gloo otherwise), passes a barrier, runs an all_reduce whose sum it checks, allocates memory on its device and
+prints one line `[host:rank/world] OK (backend, device, all_reduce ms)`; rank zero then prints a summary.
+
+Nothing waits forever: every stage has the `--timeout`, a rank that never arrives is named (from the rendezvous
+store before the process group exists, by `monitored_barrier` on a gloo group after), and a watchdog ends a rank
+that is stuck anywhere else with a line saying where it was stuck.
+
+With a config (`--config FILE` or the options generated from `WatchConfig`) that sets `report_dir`, every rank also
+checks that it can write there, as a watched run with that config will, and the result is kept on disk: rank zero
+writes the summary to `nanwatch-doctor.txt` / `.json`, and a failing rank its diagnosis to
+`nanwatch-doctor-rank{R}.txt` / `.json` (each file written whole, or not at all).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from nanwatch.cli.options import ToolHelpFormatter, add_config_arguments, fields_epilog, tool_config
+
+__all__ = ["register", "find_free_port", "torchrun_command", "USED_FIELDS", "SUMMARY_STEM"]
+
+DEFAULT_TIMEOUT_S = 60.0
+
+# Testing aid (documented in docs/doctor.md): the rank named here sleeps instead of entering the barrier, so the
+# other ranks see a real process that joined the group but never arrives, and must name it.
+SIMULATE_ABSENT_RANK_ENV = "NANWATCH_DOCTOR_SIMULATE_ABSENT_RANK"
+# Set by `nanwatch doctor --nproc` for the workers it starts: each one touches a file there, so the launcher can tell
+# "the workers never started" (torchrun's rendezvous failed) from "a worker failed a check".
+_STARTED_DIR_ENV = "NANWATCH_DOCTOR_STARTED_DIR"
+_DEBUG_ENV = {"NCCL_DEBUG": "INFO", "TORCH_DISTRIBUTED_DEBUG": "DETAIL", "TORCH_CPP_LOG_LEVEL": "INFO"}
+# A stage may overrun its own timeout by this much (process start-up, slow first CUDA call) before the watchdog ends it.
+_WATCHDOG_GRACE_S = 15.0
+_ALL_REDUCE_NUMEL = 1 << 20  # float32 elements: 4 MiB, big enough to exercise the transport, small enough for a CPU
+# In report_dir: rank zero's summary, and each failing rank's diagnosis (`{SUMMARY_STEM}-rank{R}`), as .txt and .json.
+SUMMARY_STEM = "nanwatch-doctor"
+
+# The WatchConfig fields `nanwatch doctor` applies, and what each does here (printed by --help).
+USED_FIELDS = {
+    "report_dir": f"every rank checks that it can create and write this directory, as a watched run with this "
+    f"config will (a rank that cannot fails, named); rank 0 writes the summary there as {SUMMARY_STEM}.txt and "
+    f".json, and a failing rank its diagnosis as {SUMMARY_STEM}-rank{{R}}.txt and .json",
+}
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add the `doctor` subcommand."""
+    parser = subparsers.add_parser(
+        "doctor",
+        help="check that the processes of a distributed job can reach each other",
+        description=(
+            "Distributed health check. Under torchrun (torchrun --nproc_per_node N -m nanwatch doctor) every rank "
+            "joins the process group, passes a barrier, checks an all_reduce and allocates memory on its device. "
+            "Outside torchrun, `nanwatch doctor --nproc N` starts torchrun itself. Exit status 0 when every rank is "
+            "OK, 1 when a check failed or a rank never arrived (named on stderr), 2 on bad input."
+        ),
+        epilog=fields_epilog("doctor", USED_FIELDS),
+        formatter_class=ToolHelpFormatter,
+    )
+    launch = parser.add_argument_group("launching (ignored when already started by torchrun)")
+    launch.add_argument(
+        "--nproc",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="processes on this node (default: one per GPU, or 1)",
+    )
+    launch.add_argument("--nnodes", type=_positive_int, default=1, metavar="N", help="number of nodes (default: 1)")
+    launch.add_argument(
+        "--node-rank", type=_non_negative_int, default=0, metavar="R", help="this node's rank (default: 0)"
+    )
+    launch.add_argument(
+        "--master-addr",
+        default="127.0.0.1",
+        metavar="HOST",
+        help="address of the node with --node-rank 0 (default: 127.0.0.1)",
+    )
+    launch.add_argument(
+        "--master-port",
+        type=_port,
+        default=None,
+        metavar="PORT",
+        help="rendezvous port on the master node (default: a free port when --nnodes is 1, else 29500)",
+    )
+    check = parser.add_argument_group("checks")
+    check.add_argument(
+        "--timeout",
+        type=_positive_float,
+        default=DEFAULT_TIMEOUT_S,
+        metavar="SECONDS",
+        help=f"seconds each stage may take before the missing ranks are named (default: {DEFAULT_TIMEOUT_S:g})",
+    )
+    check.add_argument(
+        "--backend",
+        choices=("auto", "nccl", "gloo"),
+        default="auto",
+        help="process group backend (default: nccl when CUDA is available, else gloo)",
+    )
+    check.add_argument(
+        "--alloc-mb",
+        type=_positive_float,
+        default=64.0,
+        metavar="MIB",
+        help="MiB to allocate on each device (default: 64)",
+    )
+    check.add_argument(
+        "--debug",
+        action="store_true",
+        help="run with NCCL_DEBUG=INFO and TORCH_DISTRIBUTED_DEBUG=DETAIL (and TORCH_CPP_LOG_LEVEL=INFO)",
+    )
+    add_config_arguments(parser, used=USED_FIELDS)
+    parser.set_defaults(func=_handle, parser=parser)
+
+
+def _handle(args: argparse.Namespace) -> int:
+    # Read before anything starts: a bad config file ends the command (exit 2) with no process launched.
+    settings = tool_config(args, args.parser)
+    args.report_dir = settings.config.report_dir
+    if os.environ.get("RANK", "0") == "0":  # once, not once per rank
+        for flag in settings.unused_options(USED_FIELDS):
+            _err(f"nanwatch doctor: note: {flag} is not used by doctor (see nanwatch doctor --help)")
+    if _started_by_launcher(os.environ):
+        if args.nproc is not None:
+            _err("nanwatch doctor: --nproc is ignored: this process was already started by a launcher (RANK is set)")
+        from nanwatch.cli._doctor_rank import run_rank  # torch.distributed: only on a rank
+
+        return run_rank(args)
+    return _launch(args)
+
+
+def _started_by_launcher(env: Mapping[str, str]) -> bool:
+    return "RANK" in env and "WORLD_SIZE" in env
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Launching torchrun
+
+
+def find_free_port(host: str = "127.0.0.1") -> int:
+    """Return a TCP port that nothing listens on right now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def torchrun_command(
+    *,
+    nproc: int,
+    nnodes: int,
+    node_rank: int,
+    master_addr: str,
+    master_port: int,
+    timeout: float,
+    doctor_args: Sequence[str] = (),
+) -> list[str]:
+    """The torchrun command line that `nanwatch doctor --nproc N` runs (also printed, so it can be reused by hand).
+
+    Args:
+        nproc: processes on this node.
+        nnodes: number of nodes.
+        node_rank: this node's rank.
+        master_addr: address of node 0, which hosts the rendezvous.
+        master_port: port of the rendezvous on node 0.
+        timeout: seconds torchrun's rendezvous waits for the other nodes.
+        doctor_args: extra arguments for `nanwatch doctor` on each rank.
+
+    Returns:
+        The argument vector, starting with the current Python interpreter.
+    """
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={nproc}",
+        f"--nnodes={nnodes}",
+        f"--node_rank={node_rank}",
+        f"--master_addr={master_addr}",
+        f"--master_port={master_port}",
+    ]
+    if nnodes > 1:
+        # The static rendezvous otherwise waits 600 s for a node that was never started.
+        command.append(f"--rdzv_conf=timeout={math.ceil(timeout)}")
+    return [*command, "-m", "nanwatch", "doctor", *doctor_args]
+
+
+def _launch(args: argparse.Namespace) -> int:
+    nproc = args.nproc if args.nproc is not None else _default_nproc()
+    if args.node_rank >= args.nnodes:
+        _err(f"nanwatch doctor: --node-rank must be below --nnodes={args.nnodes}, got {args.node_rank}")
+        return 2
+    port = args.master_port
+    if port is None:
+        port = find_free_port() if args.nnodes == 1 else 29500
+    command = torchrun_command(
+        nproc=nproc,
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        master_addr=args.master_addr,
+        master_port=port,
+        timeout=args.timeout,
+        doctor_args=_rank_args(args),
+    )
+    _err("nanwatch doctor: running " + " ".join(command))
+    with tempfile.TemporaryDirectory(prefix="nanwatch-doctor-") as started_dir:
+        env = {**os.environ, _STARTED_DIR_ENV: started_dir}
+        if args.debug:
+            env.update(_DEBUG_ENV)
+        # Every rank's stages are bounded by their own watchdogs and torchrun's rendezvous by its timeout; this
+        # outer bound only catches torchrun itself misbehaving.
+        deadline_s = 6 * (args.timeout + _WATCHDOG_GRACE_S) + 60
+        returncode = _run_bounded(command, env, deadline_s)
+        started = sorted(path.name for path in Path(started_dir).iterdir())
+    if returncode == 0:
+        return 0
+    if returncode is None:
+        _err(f"nanwatch doctor: FAILED: torchrun did not finish within {deadline_s:g} s and was stopped.")
+        return 1
+    if not started:
+        where = f"{args.master_addr}:{port}"
+        if args.nnodes > 1:
+            _err(
+                f"nanwatch doctor: FAILED: no worker started on this node (node rank {args.node_rank}): torchrun's "
+                f"rendezvous at {where} did not see all {args.nnodes} nodes within {math.ceil(args.timeout)} s. "
+                f"Start `nanwatch doctor` on every node with the same --nnodes, --master-addr and --master-port and "
+                f"a distinct --node-rank, and check that node 0 accepts connections on port {port}."
+            )
+        else:
+            _err(
+                f"nanwatch doctor: FAILED: torchrun exited with status {returncode} before any worker started; "
+                f"is port {port} on {args.master_addr} already in use? Its own error is above."
+            )
+        return 1
+    _err(f"nanwatch doctor: FAILED (torchrun exit status {returncode}); the FAIL lines above name the rank and stage.")
+    return 1
+
+
+def _rank_args(args: argparse.Namespace) -> list[str]:
+    """The options each rank runs with: everything but the launcher's own."""
+    rank_args = ["--timeout", f"{args.timeout:g}", "--backend", args.backend, "--alloc-mb", f"{args.alloc_mb:g}"]
+    # The config was read here already: each rank gets the fields doctor uses, not the file.
+    if args.report_dir is not None:
+        rank_args += ["--report-dir", str(args.report_dir)]
+    return [*rank_args, "--debug"] if args.debug else rank_args
+
+
+def _run_bounded(command: list[str], env: dict[str, str], deadline_s: float) -> int | None:
+    # A new session, so that on overrun the whole tree we started (torchrun and its workers) can be stopped together.
+    process = subprocess.Popen(command, env=env, start_new_session=True)
+    try:
+        return process.wait(timeout=deadline_s)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+        return None
+    except KeyboardInterrupt:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGINT)
+        process.wait()
+        raise
+
+
+def _default_nproc() -> int:
+    import torch  # only to count GPUs: `nanwatch doctor --help` never imports it
+
+    return max(torch.cuda.device_count(), 1) if torch.cuda.is_available() else 1
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Small helpers
+
+
+def _ranks_phrase(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {_compact(ranks)}"
+
+
+def _compact(numbers: list[int]) -> str:
+    """`[0, 1, 2, 5, 7, 8]` -> `"0-2, 5, 7-8"`."""
+    parts: list[str] = []
+    ordered = sorted(numbers)
+    start = previous = ordered[0]
+    for number in [*ordered[1:], None]:
+        if number is not None and number == previous + 1:
+            previous = number
+            continue
+        parts.append(str(start) if start == previous else f"{start}-{previous}")
+        if number is not None:
+            start = previous = number
+    return ", ".join(parts)
+
+
+def _one_line(error: BaseException) -> str:
+    text = " ".join(str(error).split())
+    text = text.rstrip(".")
+    return (text[:400] + "...") if len(text) > 400 else text or type(error).__name__
+
+
+def _say(line: str) -> None:
+    # The doctor's result is its standard output; full lines, flushed, so ranks' lines do not interleave mid-line.
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
+def _err(line: str) -> None:
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
+def _number(text: str, kind: type[int] | type[float]) -> int | float:
+    try:
+        return kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected {'an integer' if kind is int else 'a number'}, got {text!r}"
+        ) from None
+
+
+def _positive_int(text: str) -> int:
+    value = int(_number(text, int))
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(_number(text, int))
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(_number(text, float))
+    if not value > 0 or math.isinf(value):
+        raise argparse.ArgumentTypeError(f"must be a positive, finite number, got {text!r}")
+    return value
+
+
+def _port(text: str) -> int:
+    value = int(_number(text, int))
+    if not 0 < value < 65536:
+        raise argparse.ArgumentTypeError(f"must be a TCP port in 1-65535, got {value}")
+    return value

@@ -1,0 +1,178 @@
+"""How features plug into the engine: named events with no-op defaults, and what a feature may read and do.
+
+A feature (core/features/) subclasses `Feature` and overrides the events it cares about, like a Lightning
+`Callback`. It never imports the engine: everything it may read or do goes through the `EngineContext` it is handed.
+The engine's hot path (one closure per module) dispatches nothing; a feature that needs per-call work registers hooks
+of its own through `ctx.hooks` in `attach`.
+
+The events, in the order a micro-batch meets them:
+
+- `attach(ctx, modules)` / `detach(ctx)`: watching starts and ends (the engine removes every hook in `ctx.hooks`).
+- `on_frame(ctx, frame, module, args, output)`: a frame was recorded; only while the batch is traced.
+- `screen(ctx, pending, maxima)`: device flags (True = fine) folded into the check's single host read.
+- `review(ctx, pending)`: one of this feature's flags tripped and nothing is inf/nan: read what it needs, warn.
+- `on_commit(ctx, frames)`: frames were checked clean and moved into the ring.
+- `held(ctx)`: a detection the feature held back earlier that must be raised now.
+- `annotate(ctx, report, resolved, first)`: add a section to a detection's report.
+- `judge(ctx, report, checked)`: raise the report (return it, perhaps changed) or tolerate it (return None).
+- `on_publish(ctx, report)`: the report is logged and on disk; the error is about to be raised.
+- `on_batch_end(ctx, phase, batch_number)`, `on_optimizer_step(ctx, stage, optimizer)`, `on_scaler(ctx, ...)`.
+- `close(ctx)`: watching ended (after `detach`): summaries, release what was held.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Literal, Protocol
+
+if TYPE_CHECKING:
+    import torch
+
+    from nanwatch.core.config import WatchConfig
+    from nanwatch.core.frames import Frame, ResolvedFrame
+    from nanwatch.core.hooks import HookSet
+    from nanwatch.core.report import Report
+    from nanwatch.core.stats.measure import Measurement
+
+__all__ = ["EngineContext", "Feature", "OptimizerStage", "Phase"]
+
+Phase = Literal["train", "eval"]
+# "before": the optimizer is about to apply the gradients; "after": its step ran; "settled": the loss scaler has
+# decided the last micro-batch's step and updated its scale (the scale can be read).
+OptimizerStage = Literal["before", "after", "settled"]
+
+
+class EngineContext(Protocol):
+    """What a feature may read and do. The engine hands one to every event."""
+
+    @property
+    def model(self) -> torch.nn.Module: ...
+    @property
+    def config(self) -> WatchConfig: ...
+    @property
+    def rank(self) -> int: ...
+    @property
+    def world_size(self) -> int: ...
+    @property
+    def logger(self) -> logging.Logger: ...
+    @property
+    def hooks(self) -> HookSet: ...
+    @property
+    def phase(self) -> Phase: ...
+    @property
+    def batch_number(self) -> int:
+        """The current training micro-batch."""
+
+    @property
+    def current_batch(self) -> int:
+        """The current micro-batch of the current phase."""
+
+    @property
+    def optimizer_step(self) -> int | None: ...
+    @property
+    def epoch(self) -> int | None: ...
+    @property
+    def recording(self) -> bool:
+        """False in an unwatched batch, a phase not watched, or once watching was disabled."""
+
+    @property
+    def tracing(self) -> bool:
+        """True while the current batch is traced."""
+
+    @property
+    def disabled_reason(self) -> str | None: ...
+
+    def rank_logs(self, ranks: Literal["zero", "all"] | list[int]) -> bool:
+        """Whether this rank is one of `ranks` (as `trace_ranks` names them)."""
+
+    def watches_batch(self, batch_number: int) -> bool:
+        """Whether training batch `batch_number` is recorded."""
+
+    def measure(self, tensor: torch.Tensor) -> Measurement:
+        """Launch the run's statistics on a tensor (nothing remembered, no host sync)."""
+
+    def add_frame(self, frame: Frame, module: torch.nn.Module) -> None:
+        """Add a frame recorded outside the forward hooks (a backward frame) to the pending frames, and trace it."""
+
+    def trace_frame(self, frame: Frame, module: torch.nn.Module) -> None:
+        """Trace lines that join a frame already pending (when tracing), without adding a frame."""
+
+    def is_last_pending(self, frame: Frame) -> bool:
+        """True when `frame` is the latest pending frame (so later lines may still join it)."""
+
+    def report_for(self, frames: Sequence[Frame]) -> Report | None:
+        """The report of `frames` if one holds inf/nan (one read), annotated by every feature; nothing committed."""
+
+    def keep_as_context(self, frames: Iterable[Frame]) -> None:
+        """Put frames into the ring, as earlier frames for later reports."""
+
+    def publish(self, report: Report) -> None:
+        """Log the report, write it to `report_dir`, tell the features; before anything raises."""
+
+    def disable(self, reason: str) -> None:
+        """Stop watching (the run goes on) after a failure in nanwatch itself, with a `NanwatchWarning`."""
+
+
+class Feature:
+    """Base class of the engine's plug-ins: every event is a no-op until overridden."""
+
+    name = "feature"
+
+    def attach(self, ctx: EngineContext, modules: Sequence[tuple[str, torch.nn.Module]]) -> None:
+        """Watching starts on `modules` (the scope's choice); register hooks through `ctx.hooks`."""
+
+    def detach(self, ctx: EngineContext) -> None:
+        """Watching stops; the engine removes the hooks in `ctx.hooks` itself."""
+
+    def on_frame(
+        self, ctx: EngineContext, frame: Frame, module: torch.nn.Module, args: tuple[Any, ...], output: Any
+    ) -> None:
+        """A frame was recorded while tracing (`args` and `output` are empty for a frame made outside a forward)."""
+
+    def screen(
+        self, ctx: EngineContext, pending: Sequence[Frame], maxima: Mapping[tuple[Any, Any], torch.Tensor]
+    ) -> list[torch.Tensor]:
+        """Device flags (0-d bool tensors, True = fine) read with the check's one host read.
+
+        Args:
+            pending: the frames of this check.
+            maxima: the floating-point abs maxima of `pending`, stacked by `(device, dtype of the tensor)`.
+        """
+        return []
+
+    def review(self, ctx: EngineContext, pending: Sequence[Frame]) -> None:
+        """A flag of this feature tripped and no abs max is inf/nan: read what is needed and warn."""
+
+    def on_commit(self, ctx: EngineContext, frames: Sequence[Frame]) -> None:
+        """`frames` were checked clean (references only: nothing here may read the device)."""
+
+    def held(self, ctx: EngineContext) -> Report | None:
+        """A detection held back earlier that is to be raised now, once; None when there is none."""
+        return None
+
+    def annotate(self, ctx: EngineContext, report: Report, resolved: Sequence[ResolvedFrame], first: int) -> Report:
+        """`report` with this feature's section. `resolved` are the checked frames, `first` the first non-finite."""
+        return report
+
+    def judge(self, ctx: EngineContext, report: Report, checked: Sequence[Frame]) -> Report | None:
+        """Raise `report` (return it, perhaps changed) or tolerate it (None; the checked frames are then settled)."""
+        return report
+
+    def on_publish(self, ctx: EngineContext, report: Report) -> None:
+        """A report was published (logged and written)."""
+
+    def on_batch_end(self, ctx: EngineContext, phase: Phase, batch_number: int) -> None:
+        """Micro-batch `batch_number` of `phase` ended (its check passed); counters advance after this."""
+
+    def on_optimizer_step(
+        self, ctx: EngineContext, stage: OptimizerStage, optimizer: torch.optim.Optimizer | None
+    ) -> None:
+        """An optimizer step is at `stage`."""
+
+    def on_scaler(self, ctx: EngineContext, scaler: Any, read_scale: str) -> None:
+        """The adapter found the run's loss scaler (a `torch.amp.GradScaler`); `read_scale` says when its scale can
+        be read: "at_batch_end", or "when_settled" (the adapter reports the "settled" optimizer stage)."""
+
+    def close(self, ctx: EngineContext) -> None:
+        """Watching ended: log summaries, release what was kept."""

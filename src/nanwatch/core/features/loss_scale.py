@@ -1,0 +1,457 @@
+"""Loss scaling (`torch.amp.GradScaler`): which inf/nan gradients are expected, the scale's history, and its floor.
+
+Under a `GradScaler`, gradients are computed from `loss * scale`. When the scale is too large some of them overflow
+to inf (or nan), `scaler.step()` finds that, skips the optimizer step (it never calls `optimizer.step()`), and
+`scaler.update()` multiplies the scale by its backoff factor (0.5 by default). Those inf gradients are the scaler
+working as designed, not a bug. So, with a scaler attached, a detection is judged by where it first appears:
+
+- first in a backward frame, with no forward frame of the check holding inf/nan: a *gradient overflow*. It is
+  recorded (logged, kept in the history) and the run goes on, as long as the scaler skips that step. It is confirmed
+  as skipped when the scale is seen to go down (at the check that found it or later). If instead the optimizer step
+  runs with no `found_inf` (the scaler looked at these gradients and let them through: they were not in its
+  optimizer's parameters, or no longer non-finite when it looked), the step is not a skipped one and the detection
+  is raised at the next check, on every rank.
+- first in a forward frame (an activation, a weight, or the loss given to `watch_loss`): always raised, as without a
+  scaler. Non-finite weights or a non-finite loss are never the scaler's doing.
+- the scale below `min_loss_scale`: raised as `LossScaleBelowFloor`. Each skipped step halves the scale; a scale
+  that keeps falling means gradients overflow however small the scale is, i.e. the values themselves are inf/nan.
+
+The scale is read once per training batch (`get_scale()`, one scalar) and every change is kept, on the micro-batch
+whose optimizer step caused it: that is the history shown in the report (its own section). Lightning and Accelerate
+read it as each micro-batch ends, after the batch check; the plain loop as the next micro-batch starts (its `step()`
+may come before or after `scaler.step()`), and the HF Trainer right after each optimizer step: those adapters say
+when with the "settled" optimizer stage. The scale is the same on every rank (`scaler.step` decides from gradients all
+ranks share after their all-reduce), so every rank reaches the floor at the same batch and raises there without a
+collective.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Literal, Protocol, runtime_checkable
+
+import torch
+
+from nanwatch.core.events import EngineContext, Feature, OptimizerStage, Phase
+from nanwatch.core.frames import Direction, Frame
+from nanwatch.core.report import Report, ReportSection
+from nanwatch.errors import LossScaleBelowFloor
+
+__all__ = [
+    "GradScalerLike",
+    "GradientOverflow",
+    "LossScaleFeature",
+    "LossScaleHistory",
+    "LossScaleMonitor",
+    "ScaleReading",
+    "ScaleRecord",
+    "scaler_of",
+]
+
+# When the scale of a micro-batch's step can be read: as it ends (Lightning, Accelerate), or when the adapter says the
+# scaler has settled (the "settled" optimizer stage: the plain loop, the HF Trainer).
+ScaleReading = Literal["at_batch_end", "when_settled"]
+
+# Changes of the scale kept for the report: the first reading and the most recent ones.
+_MAX_RECORDS = 64
+# Gradient overflows remembered (the latest); the count of all of them is kept apart.
+_MAX_OVERFLOWS = 16
+
+
+@runtime_checkable
+class GradScalerLike(Protocol):
+    """What nanwatch needs of a loss scaler: `torch.amp.GradScaler` (and the deprecated `torch.cuda.amp` one)."""
+
+    def get_scale(self) -> float: ...
+
+    def is_enabled(self) -> bool: ...
+
+
+def scaler_of(holder: object) -> GradScalerLike | None:
+    """The loss scaler a framework object keeps in its `scaler` attribute, or None when it has none.
+
+    Where each framework keeps the run's `GradScaler` (None there when the loss is not scaled): Lightning's precision
+    plugin (`trainer.precision_plugin.scaler`), an `accelerate.Accelerator` (`accelerator.scaler`), and each
+    `AcceleratedOptimizer` it prepares (`optimizer.scaler`, the one the transformers Trainer hands its callbacks).
+    """
+    scaler = getattr(holder, "scaler", None)
+    return scaler if isinstance(scaler, GradScalerLike) else None
+
+
+@dataclass(frozen=True, slots=True)
+class ScaleRecord:
+    """The loss scale as read at the end of a training batch, when it differs from the reading before."""
+
+    batch_number: int
+    optimizer_step: int | None
+    scale: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"batch_number": self.batch_number, "optimizer_step": self.optimizer_step, "scale": self.scale}
+
+
+@dataclass(frozen=True, slots=True)
+class LossScaleHistory:
+    """The loss scale over the run, as it goes into a report (a text line and a JSON object).
+
+    Attributes:
+        records: the first reading, then each change (oldest first); at most 64, the oldest changes dropped first.
+        skipped_steps: how many times the scale went down (each is at least one step the scaler skipped).
+        gradient_overflows: how many checks found inf/nan first in gradients and let the run go on.
+        min_loss_scale: the floor below which nanwatch stops the run (None: no floor).
+        dropped: how many older changes are not in `records`.
+    """
+
+    records: tuple[ScaleRecord, ...]
+    skipped_steps: int
+    gradient_overflows: int
+    min_loss_scale: float | None
+    dropped: int = 0
+
+    @property
+    def current(self) -> float | None:
+        return self.records[-1].scale if self.records else None
+
+    def to_text(self) -> str:
+        """One line: `Loss scale (GradScaler): 65536 at batch 0 -> 32768 at batch 3 -> ...; 1 skipped step; ...`."""
+        steps = [f"{_number(r.scale)} at batch {r.batch_number}" for r in self.records]
+        if self.dropped:
+            steps.insert(1, f"... {self.dropped} earlier change{'s' if self.dropped != 1 else ''} ...")
+        floor = "none" if self.min_loss_scale is None else _number(self.min_loss_scale)
+        return (
+            f"Loss scale (GradScaler): {' -> '.join(steps) or 'not read yet'}; "
+            f"{_count(self.skipped_steps, 'skipped step')}, "
+            f"{_count(self.gradient_overflows, 'gradient overflow')} tolerated; min_loss_scale={floor}"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "records": [record.to_dict() for record in self.records],
+            "dropped": self.dropped,
+            "current": self.current,
+            "skipped_steps": self.skipped_steps,
+            "gradient_overflows": self.gradient_overflows,
+            "min_loss_scale": self.min_loss_scale,
+        }
+
+
+def _count(number: int, noun: str) -> str:
+    return f"{number} {noun}{'s' if number != 1 else ''}"
+
+
+def _number(value: float) -> str:
+    # Scales are powers of two in practice (65536, 0.5, 0.0009765625): printed in full, never rounded.
+    if value.is_integer() and abs(value) < 1e16:
+        return str(int(value))
+    return repr(value)
+
+
+@dataclass(slots=True)
+class GradientOverflow:
+    """A check that found inf/nan first in gradients, under a scaler, and let the run go on.
+
+    Attributes:
+        report: the report the check built (not published: it is published if the overflow turns out fatal).
+        scale: the loss scale the gradients were computed with.
+        skipped: True once the scale was seen to go down (the scaler skipped the step), False while unconfirmed.
+    """
+
+    report: Report
+    scale: float
+    skipped: bool
+
+
+class LossScaleMonitor:
+    """Follows one `GradScaler` for a `Watcher`: the scale's history, its floor, and the fate of gradient overflows.
+
+    Args:
+        scaler: the run's `torch.amp.GradScaler` (anything with `get_scale()` and `is_enabled()`).
+        min_loss_scale: stop when the scale falls strictly below this; None for no floor.
+        logger: where overflows are logged.
+
+    Raises:
+        TypeError: `scaler` is not a GradScaler.
+    """
+
+    def __init__(self, scaler: GradScalerLike, min_loss_scale: float | None, logger: logging.Logger) -> None:
+        if not isinstance(scaler, GradScalerLike):
+            raise TypeError(
+                "scaler must be a torch.amp.GradScaler (an object with get_scale() and is_enabled()), "
+                f"got {type(scaler).__name__}"
+            )
+        self.scaler = scaler
+        self.min_loss_scale = min_loss_scale
+        self.logger = logger
+        self._first: ScaleRecord | None = None
+        self._records: deque[ScaleRecord] = deque(maxlen=_MAX_RECORDS - 1)
+        self._changes = 0
+        self._last_scale: float | None = None
+        self.skipped_steps = 0
+        self.gradient_overflow_count = 0
+        self.overflows: deque[GradientOverflow] = deque(maxlen=_MAX_OVERFLOWS)
+        self._applying = False
+        self._skipping = False  # an optimizer step with found_inf set is under way: it skips itself
+        self._fatal: Report | None = None
+
+    @property
+    def enabled(self) -> bool:
+        """False for `GradScaler(enabled=False)`: it never skips a step, so there is nothing to follow."""
+        return bool(self.scaler.is_enabled())
+
+    # ---------------------------------------------------------------------------------------------- the scale
+
+    def observe(self, batch_number: int, optimizer_step: int | None) -> float | None:
+        """Read the scale (one scalar), record it if it changed, and confirm pending overflows if it went down."""
+        reading = self._read(batch_number, optimizer_step)
+        return None if reading is None else reading[0]
+
+    def _read(self, batch_number: int, optimizer_step: int | None) -> tuple[float, bool] | None:
+        if not self.enabled:
+            return None
+        scale = float(self.scaler.get_scale())
+        last = self._last_scale
+        self._last_scale = scale
+        if last is not None and scale == last:
+            return scale, False
+        record = ScaleRecord(batch_number, optimizer_step, scale)
+        if self._first is None:
+            self._first = record
+        else:
+            self._records.append(record)
+            self._changes += 1
+        went_down = last is not None and scale < last
+        if went_down:
+            self.skipped_steps += 1
+            for overflow in self.overflows:
+                overflow.skipped = True
+        return scale, went_down
+
+    def below_floor(self, scale: float | None) -> bool:
+        return scale is not None and self.min_loss_scale is not None and scale < self.min_loss_scale
+
+    def history(self) -> LossScaleHistory:
+        records = (() if self._first is None else (self._first,)) + tuple(self._records)
+        return LossScaleHistory(
+            records=records,
+            skipped_steps=self.skipped_steps,
+            gradient_overflows=self.gradient_overflow_count,
+            min_loss_scale=self.min_loss_scale,
+            dropped=self._changes - len(self._records),
+        )
+
+    def annotate(self, report: Report) -> Report:
+        """`report` with the scale history attached (a text line and a JSON object)."""
+        history = self.history()
+        return report.with_section(ReportSection("loss_scale", 20, (history.to_text(),), history.to_dict(), history))
+
+    # ------------------------------------------------------------------------------------- gradient overflows
+
+    def gradient_overflow(self, report: Report) -> Report | None:
+        """A check found inf/nan first in gradients and nowhere in the forward: go on, or return the fatal report.
+
+        Fatal only while an optimizer step is being applied (see `step_applying`): the scaler did not skip it.
+        """
+        before = self._last_scale
+        reading = self._read(report.batch_number, report.optimizer_step)
+        if reading is None:  # a disabled scaler skips nothing: the gradients would be applied
+            return report
+        scale, went_down = reading
+        if self._applying:
+            return self.annotate(report)
+        # The scale already went down since the previous reading: the step these gradients belong to was skipped,
+        # and they were computed at the scale before that backoff.
+        computed_at = before if went_down and before is not None else scale
+        overflow = GradientOverflow(report, computed_at, skipped=went_down or self._skipping)
+        self.overflows.append(overflow)
+        self.gradient_overflow_count += 1
+        where = f", first in module {report.module_name!r} (backward)" if report.module_name is not None else ""
+        if went_down:
+            verdict = f"the GradScaler skipped its step (scale now {_number(scale)})"
+        elif self._skipping:
+            verdict = "the optimizer skips its step (found_inf)"
+        else:
+            verdict = "expected if the GradScaler skips its step"
+        self.logger.info(
+            f"nanwatch: inf/nan gradients during batch_number={report.batch_number}{where} at loss scale "
+            f"{_number(computed_at)}: {verdict}; going on"
+        )
+        return None
+
+    def step_applying(
+        self, optimizer: torch.optim.Optimizer | None, batch_number: int, optimizer_step: int | None
+    ) -> None:
+        """An optimizer step is about to apply the gradients (its step pre-hook runs).
+
+        A plain optimizer's pre-hook runs only for steps the scaler lets through. An optimizer that unscales in its
+        own step (fused Adam: `_step_supports_amp_scaling`) is called on every step with `found_inf` set; a non-zero
+        `found_inf` means it will skip the update itself. Overflows still unconfirmed now were not skipped: the
+        first of them becomes the detection raised at the next check.
+        """
+        found_inf = getattr(optimizer, "found_inf", None) if optimizer is not None else None
+        if isinstance(found_inf, torch.Tensor) and bool(found_inf.sum() > 0):  # one sync, on AMP's fused path only
+            for overflow in self.overflows:
+                overflow.skipped = True
+            self._applying = False
+            self._skipping = True  # and so are those the check in this same pre-hook finds
+            return
+        self._applying = True
+        unconfirmed = [overflow for overflow in self.overflows if not overflow.skipped]
+        if unconfirmed:
+            # A skip since the last reading (an earlier step of this loop) confirms them: one scalar, rarely read.
+            self._read(batch_number, optimizer_step)
+            unconfirmed = [overflow for overflow in self.overflows if not overflow.skipped]
+        if unconfirmed and self._fatal is None:
+            self._fatal = self.annotate(unconfirmed[0].report)
+
+    def step_done(self) -> None:
+        self._applying = False
+        self._skipping = False
+
+    def floor_detection(
+        self,
+        scale: float,
+        *,
+        batch_number: int,
+        rank: int,
+        world_size: int,
+        optimizer_step: int | None,
+        epoch: int | None,
+    ) -> tuple[Report, LossScaleBelowFloor]:
+        """The report (the latest overflow's frames and the history) and the error, for a scale below the floor."""
+        assert self.min_loss_scale is not None  # below_floor() is False without a floor
+        last = self.overflows[-1].report if self.overflows else None
+        history = self.history()
+        report = self.annotate(
+            replace(  # the latest overflow's frames, and whatever was said of them, at this batch
+                last if last is not None else Report(batch_number, "train", rank, world_size, None, []),
+                batch_number=batch_number,
+                phase="train",
+                optimizer_step=optimizer_step,
+                epoch=epoch,
+            )
+        )
+        where = f"; the last overflow was first in module {last.module_name!r} (backward)" if last is not None else ""
+        error = LossScaleBelowFloor(
+            f"nanwatch: the GradScaler's loss scale fell to {_number(scale)} at batch_number={batch_number}, below "
+            f"min_loss_scale={_number(self.min_loss_scale)}: gradients overflow however small the scale{where}. "
+            f"{history.to_text()}",
+            loss_scale=scale,
+            min_loss_scale=self.min_loss_scale,
+            scale_history=[(r.batch_number, r.optimizer_step, r.scale) for r in history.records],
+            batch_number=batch_number,
+            rank=rank,
+            module_name=report.module_name,
+            report=report.to_text(),
+            optimizer_step=optimizer_step,
+            epoch=epoch,
+            phase="train",
+        )
+        return report, error
+
+    @property
+    def has_fatal(self) -> bool:
+        return self._fatal is not None
+
+    def take_fatal(self) -> Report | None:
+        """The overflow found fatal by `step_applying`, once."""
+        fatal, self._fatal = self._fatal, None
+        return fatal
+
+
+class LossScaleFeature(Feature):
+    """The GradScaler policy: which inf/nan gradients are expected, the scale's history, and its floor.
+
+    Inert until the adapter hands over the run's scaler (`Watcher.watch_scaler`).
+    """
+
+    name = "loss_scale"
+
+    def __init__(self, min_loss_scale: float | None) -> None:
+        self.min_loss_scale = min_loss_scale
+        self.monitor: LossScaleMonitor | None = None
+        self.reading: ScaleReading = "at_batch_end"
+
+    def on_scaler(self, ctx: EngineContext, scaler: Any, read_scale: str) -> None:
+        if read_scale not in ("at_batch_end", "when_settled"):
+            raise ValueError(f"read_scale can be 'at_batch_end' or 'when_settled', got {read_scale!r}")
+        self.monitor = LossScaleMonitor(scaler, self.min_loss_scale, ctx.logger)
+        self.reading = "at_batch_end" if read_scale == "at_batch_end" else "when_settled"
+        # The first reading: the baseline a first skipped step is seen against (before any scale(), the initial
+        # scale, read without touching the device).
+        self.monitor.observe(ctx.batch_number, ctx.optimizer_step)
+
+    # ------------------------------------------------------------------------------------------------ checks
+
+    def held(self, ctx: EngineContext) -> Report | None:
+        return None if self.monitor is None else self.monitor.take_fatal()  # an overflow on a step not skipped
+
+    def judge(self, ctx: EngineContext, report: Report, checked: Sequence[Frame]) -> Report | None:
+        amp = self.monitor
+        if amp is None or not amp.enabled:
+            return report
+        # The report's frames end at the first frame holding inf/nan: inf/nan first in a forward frame (an
+        # activation, a weight, the loss) is never the scaler's doing.
+        if not report.frames or not report.frames[-1].is_backward:
+            return amp.annotate(report)
+        forward = [frame for frame in checked if frame.direction is Direction.FORWARD]
+        if forward:
+            fatal = ctx.report_for(forward)  # one more read, on the rare overflow path only
+            if fatal is not None:  # a later forward holds inf/nan too: that is the report
+                return amp.annotate(fatal)
+        ctx.keep_as_context(checked)  # the overflow's frames stay as context for later reports
+        return amp.gradient_overflow(report)
+
+    # --------------------------------------------------------------------------------------------- the scale
+
+    def on_optimizer_step(
+        self, ctx: EngineContext, stage: OptimizerStage, optimizer: torch.optim.Optimizer | None
+    ) -> None:
+        amp = self.monitor
+        if amp is None:
+            return
+        if stage == "before" and amp.enabled:
+            amp.step_applying(optimizer, ctx.batch_number, ctx.optimizer_step)
+        elif stage == "after":
+            amp.step_done()
+        elif stage == "settled":
+            amp.step_done()  # the step is over: gradients of the next micro-batch are not judged by it
+            self.follow(ctx, ctx.batch_number - 1)
+
+    def on_batch_end(self, ctx: EngineContext, phase: Phase, batch_number: int) -> None:
+        if self.monitor is None or phase != "train":
+            return
+        self.monitor.step_done()
+        if self.reading == "at_batch_end":
+            self.follow(ctx, batch_number)  # may raise LossScaleBelowFloor, on every rank alike
+
+    def follow(self, ctx: EngineContext, batch_number: int) -> None:
+        """Read the scale (one scalar), put a change on training micro-batch `batch_number`, check the floor.
+
+        Raises:
+            LossScaleBelowFloor: the scale is below `min_loss_scale` (on every rank alike), named after `batch_number`.
+        """
+        amp = self.monitor
+        if amp is None:
+            return
+        try:
+            scale = amp.observe(batch_number, ctx.optimizer_step)
+        except Exception as failure:  # a scaler we cannot read must not kill a healthy run
+            ctx.logger.warning(f"nanwatch could not read the GradScaler's scale (the run goes on): {failure!r}")
+            return
+        if scale is None or not amp.below_floor(scale):
+            return
+        report, error = amp.floor_detection(
+            scale,
+            batch_number=batch_number,
+            rank=ctx.rank,
+            world_size=ctx.world_size,
+            optimizer_step=ctx.optimizer_step,
+            epoch=ctx.epoch,
+        )
+        ctx.publish(report)
+        # The scale is the same on every rank (the scaler decides from all-reduced gradients), so every rank stops
+        # here, at the same batch, without a collective.
+        raise error

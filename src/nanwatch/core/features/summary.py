@@ -1,0 +1,186 @@
+"""Summary mode: the abs max of every watched module in the last watched training batch, for a framework's logger.
+
+The engine hands every batch of frames it checked clean to this feature (`on_commit`), which keeps references to
+those of the latest training batch (no copy, no device work). Only when a summary is asked for are their numbers
+read back, in one transfer per device and dtype, so summary mode costs nothing per batch. Adapters only forward
+`Summary.metrics()` to their framework (Lightning loggers, Accelerate trackers, the HF Trainer's logs).
+
+What a module's summary holds comes from the statistics registry: each statistic with a `summary_metric` gives the
+largest of its `summary_value` over the module's forward lines (abs max: `nanwatch/absmax/<module>`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from nanwatch.core.events import EngineContext, Feature, Phase
+from nanwatch.core.frames import Direction, Frame, resolve
+from nanwatch.core.scope import ROOT_NAME
+from nanwatch.core.stats import registry
+
+__all__ = ["Summary", "SummaryFeature", "METRIC_PREFIX", "ABSMAX_PREFIX", "GLOBAL_KEY", "BATCH_KEY"]
+
+METRIC_PREFIX = "nanwatch"
+ABSMAX_PREFIX = f"{METRIC_PREFIX}/absmax/"
+GLOBAL_KEY = f"{METRIC_PREFIX}/absmax_global"
+BATCH_KEY = f"{METRIC_PREFIX}/batch_number"
+# The text form lists this many modules, the largest first; the metrics hold all of them.
+_TEXT_TOP = 10
+
+
+@dataclass(frozen=True)
+class Summary:
+    """Per-module abs max over the float forward tensors (parameters, inputs, outputs) of one training batch.
+
+    Attributes:
+        batch_number: the watched training batch the numbers come from.
+        absmax: module name -> the largest abs max among its float tensors in that batch (over all its calls), in
+            the order the modules were first called. Modules that saw no float tensor are left out.
+        class_names: module name -> its class name.
+    """
+
+    batch_number: int
+    absmax: dict[str, float]
+    class_names: dict[str, str] = field(default_factory=dict)
+    # Other statistics' summaries (metric name -> module -> value), from statistics registered beside abs-min/max.
+    others: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    @property
+    def max_module(self) -> str | None:
+        """The module holding the largest abs max (the first one on a tie), or None when the summary is empty."""
+        if not self.absmax:
+            return None
+        return max(self.absmax, key=lambda name: _order_key(self.absmax[name]))
+
+    @property
+    def max_value(self) -> float | None:
+        module = self.max_module
+        return None if module is None else self.absmax[module]
+
+    def metrics(self) -> dict[str, float]:
+        """Flat numeric metrics for a framework logger: `nanwatch/absmax/<module>` for every module, then
+        `nanwatch/absmax_global` (the largest of them) and `nanwatch/batch_number`. The root module is `(root)`."""
+        values = {ABSMAX_PREFIX + (name or ROOT_NAME): value for name, value in self.absmax.items()}
+        if self.max_value is not None:
+            values[GLOBAL_KEY] = self.max_value
+        for metric, modules in self.others.items():
+            values.update((f"{METRIC_PREFIX}/{metric}/{name or ROOT_NAME}", value) for name, value in modules.items())
+        values[BATCH_KEY] = float(self.batch_number)
+        return values
+
+    def to_text(self, top: int = _TEXT_TOP) -> str:
+        """A few lines for a log: the largest abs max and where, then the `top` largest modules."""
+        module = self.max_module
+        if module is None:
+            return f"nanwatch summary of batch_number={self.batch_number}: no float tensor was recorded"
+        ranked = sorted(self.absmax, key=lambda name: _order_key(self.absmax[name]), reverse=True)[:top]
+        lines = [
+            f"nanwatch summary of batch_number={self.batch_number}: largest abs max {self.absmax[module]:.2e} in "
+            f"{module or ROOT_NAME} ({self.class_names.get(module, '?')}); {len(self.absmax)} modules, largest first:"
+        ]
+        lines += [
+            f"{self.absmax[name]:8.2e} {name or ROOT_NAME} {self.class_names.get(name, '')}".rstrip() for name in ranked
+        ]
+        return "\n".join(lines)
+
+
+def _order_key(value: float) -> float:
+    # nan sorts above everything, so a summary never hides it behind a finite maximum.
+    return math.inf if math.isnan(value) else value
+
+
+class SummaryFeature(Feature):
+    """Keeps the frames of the latest training batch that was checked clean, and summarises them on request.
+
+    Args:
+        every: send a summary every this many training batches (`summary_every_n_batches`); None: only on request.
+    """
+
+    name = "summary"
+
+    def __init__(self, every: int | None) -> None:
+        self.every = every
+        self._frames: list[Frame] = []
+        self._batch = -1
+        self._sent_batch: int | None = None
+        # Where a due summary goes; the engine logs it by default, adapters send it to their framework (or nowhere).
+        self.sink: Callable[[Summary], None] | None = None
+
+    def on_commit(self, ctx: EngineContext, frames: Sequence[Frame]) -> None:
+        """Remember `frames` (just checked clean) if they belong to the latest training batch; references only."""
+        if not frames:
+            return
+        first, last = frames[0], frames[-1]
+        if first.phase == last.phase == "train" and first.batch_number == last.batch_number:
+            self._take(first.batch_number, frames)  # the usual case: one batch, one chunk
+            return
+        for frame in frames:
+            if frame.phase == "train":
+                self._take(frame.batch_number, (frame,))
+
+    def _take(self, batch_number: int, frames: Sequence[Frame]) -> None:
+        if batch_number > self._batch:
+            self._frames = []
+            self._batch = batch_number
+        if batch_number == self._batch:
+            self._frames.extend(frames)
+
+    @property
+    def batch_number(self) -> int | None:
+        """The training batch whose frames are held, or None before any."""
+        return self._batch if self._frames else None
+
+    def summary(self) -> Summary | None:
+        """The summary of the latest training batch checked clean (reads its numbers back), or None before any."""
+        if not self._frames:
+            return None
+        lead = registry.lead()
+        others = [s for s in registry.extras() if s.summary_metric is not None]
+        absmax: dict[str, float] = {}
+        class_names: dict[str, str] = {}
+        other_values: dict[str, dict[str, float]] = {}
+        for frame in resolve(self._frames):
+            # Forward lines only: gradient lines (watch_gradients) of a batch are checked at different points in each
+            # adapter, and their scale is not the activations'.
+            if frame.direction is not Direction.FORWARD:
+                continue
+            for entry in frame.entries:
+                value = lead.summary_value(entry.range)
+                if value is not None:
+                    seen = absmax.get(frame.module_name)
+                    if seen is None or _order_key(value) > _order_key(seen):
+                        absmax[frame.module_name] = value
+                        class_names[frame.module_name] = frame.class_name
+                for statistic in others:
+                    extra = statistic.summary_value(entry.stats.get(statistic.name))
+                    if extra is not None:
+                        modules = other_values.setdefault(str(statistic.summary_metric), {})
+                        modules[frame.module_name] = max(modules.get(frame.module_name, extra), extra, key=_order_key)
+        return Summary(self._batch, absmax, class_names, other_values)
+
+    def due(self, batches_done: int) -> Summary | None:
+        """The summary to send now that `batches_done` training batches have ended, or None.
+
+        One is due every `every` batches, and only if a training batch was checked since the last one sent (an
+        unwatched stretch sends nothing rather than the same numbers again).
+        """
+        if self.every is None or batches_done % self.every or self.batch_number is None:
+            return None
+        if self._sent_batch == self._batch:
+            return None
+        summary = self.summary()
+        self._sent_batch = self._batch
+        return summary
+
+    def on_batch_end(self, ctx: EngineContext, phase: Phase, batch_number: int) -> None:
+        sink = self.sink
+        if phase != "train" or sink is None or self.every is None:
+            return
+        try:
+            summary = self.due(batch_number + 1)
+            if summary is not None:
+                sink(summary)
+        except Exception as error:  # a logger that fails must not kill a healthy run
+            ctx.logger.warning(f"nanwatch could not send its summary (the run goes on): {error!r}")

@@ -1,0 +1,111 @@
+"""Tracing (`trace_batch_nums`): every frame of a traced batch is logged as it is recorded, and written to
+`report_dir/nanwatch-trace-rank{R}.txt` and `.jsonl` there.
+
+The slow path: each traced frame is read back on its own. Its tensors are still alive, so statistics that are only
+measured while tracing (nan/inf counts of the lines whose abs max is inf or nan) are measured here. The engine
+decides which batches are traced, and on which ranks (`trace_ranks`); this feature only writes them out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from nanwatch.core.events import EngineContext, Feature, Phase
+from nanwatch.core.formats.files import append_trace, append_trace_records
+from nanwatch.core.formats.jsonl import trace_records
+from nanwatch.core.frames import Frame, ResolvedEntry, ResolvedFrame, resolve
+from nanwatch.core.report import TABLE_HEADER, format_batch_start, format_frame
+from nanwatch.core.stats import registry
+from nanwatch.core.walk import call_leaves
+
+__all__ = ["TraceFeature"]
+
+
+class TraceFeature(Feature):
+    name = "trace"
+
+    def __init__(self) -> None:
+        self._batch: int | None = None  # the batch whose header was written
+        self._frames = 0  # frames traced in it
+
+    def on_frame(
+        self, ctx: EngineContext, frame: Frame, module: torch.nn.Module, args: tuple[Any, ...], output: Any
+    ) -> None:
+        lines = []
+        # Each traced batch opens with its own header, consecutive ones (149 and 150) included.
+        if self._batch != frame.batch_number:
+            self._batch = frame.batch_number
+            self._frames = 0
+            lines += [format_batch_start(frame.batch_number, ctx.rank, ctx.world_size), TABLE_HEADER]
+        resolved = resolve([frame])[0]
+        lines.append(format_frame(resolved))
+        text = "\n".join(lines)
+        ctx.logger.info(text)
+        report_dir = ctx.config.report_dir
+        if report_dir is not None:
+            append_trace(report_dir, ctx.rank, text)
+            resolved = _measure_traced(resolved, module, args, output)
+            records = trace_records(
+                resolved,
+                frame_index=self._frames,
+                rank=ctx.rank,
+                world_size=ctx.world_size,
+                optimizer_step=ctx.optimizer_step,
+                epoch=ctx.epoch,
+            )
+            append_trace_records(report_dir, ctx.rank, records)
+        self._frames += 1
+
+    def on_batch_end(self, ctx: EngineContext, phase: Phase, batch_number: int) -> None:
+        if phase == "eval":  # an evaluation inside a traced batch: the batch's header opens its frames again
+            self._batch = None
+
+
+def _measure_traced(
+    resolved: ResolvedFrame, module: torch.nn.Module, args: tuple[Any, ...], output: Any
+) -> ResolvedFrame:
+    """The frame with the values of trace-only statistics that are not known for free, measured on its live tensors.
+
+    A line whose tensor cannot be found again (or no longer matches) keeps null values; that includes the lines of
+    frames recorded outside a forward hook (backward frames): they are traced with no inputs or output.
+    """
+    statistics = [(s, s.traced_kernel()) for s in registry.extras()]
+    wanted = [(s, kernel) for s, kernel in statistics if kernel is not None]
+    missing = [
+        index
+        for index, entry in enumerate(resolved.entries)
+        if entry.abs_max is not None and any(s.name not in entry.stats for s, _ in wanted)
+    ]
+    if not missing:
+        return resolved
+    tensors: dict[str, torch.Tensor] = {n: p for n, p in module._parameters.items() if p is not None}
+    tensors.update((label, leaf) for label, leaf in call_leaves(args, output) if isinstance(leaf, torch.Tensor))
+    launched: list[tuple[int, str, torch.Tensor]] = []
+    for index in missing:
+        entry = resolved.entries[index]
+        tensor = tensors.get(entry.label)
+        if tensor is None or not _matches(tensor, entry):
+            continue
+        for statistic, kernel in wanted:
+            if statistic.name not in entry.stats:
+                vector = kernel(tensor.detach())
+                if vector is not None:
+                    launched.append((index, statistic.name, vector))
+    if not launched:
+        return resolved
+    by_name = {statistic.name: statistic for statistic, _ in wanted}
+    rows = [vector.tolist() for _, _, vector in launched]  # the slow path: a few lines, a transfer each
+    entries = list(resolved.entries)
+    for (index, name, _), row in zip(launched, rows, strict=True):
+        entry = entries[index]
+        entries[index] = replace(entry, stats={**entry.stats, name: by_name[name].read(row)})
+    return replace(resolved, entries=tuple(entries))
+
+
+def _matches(tensor: torch.Tensor, entry: ResolvedEntry) -> bool:
+    if str(tensor.dtype).replace("torch.", "") != entry.dtype:
+        return False
+    return entry.shape is None or (not tensor.is_nested and tuple(tensor.shape) == entry.shape)

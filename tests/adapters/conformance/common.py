@@ -1,0 +1,315 @@
+"""What every harness shares: the scenario, the outcome, the model with its fault module, the data, the bookkeeping.
+
+A harness is a module with `NAME`, `FAULT_NAME` (the fault module's qualified name as that adapter names modules)
+and `run(scenario, workdir) -> Outcome`. The fault module counts its own forwards, so which micro-batch goes bad never
+depends on nanwatch's counters or on the data order.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+BATCH_SIZE = 2
+MICRO_BATCHES_PER_EPOCH = 4  # on each rank
+EVAL_BATCHES = 2  # one evaluation: this many eval forwards
+LEARNING_RATE = 0.1
+
+# Every kind of hook a module keeps: none of them may be left behind by nanwatch.
+_MODULE_HOOK_DICTS = (
+    "_forward_hooks",
+    "_forward_pre_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+    "_forward_pre_hooks_with_kwargs",
+    "_backward_hooks",
+    "_backward_pre_hooks",
+)
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """One run, described the same way for every adapter. Micro-batches are 0-indexed and counted on each rank.
+
+    Attributes:
+        inf_at: the training micro-batch whose `Fault` output is inf (None: never).
+        inf_rank: the only rank where that happens (None: every rank).
+        eval_inf_at: the eval forward (counted over the whole run) whose `Fault` output is inf.
+        raise_at: the training micro-batch in which `Fault` raises the user's `RuntimeError`.
+        accumulation: micro-batches per optimizer step.
+        epochs: how long the run goes if nothing stops it (MICRO_BATCHES_PER_EPOCH each).
+        evaluate: run an evaluation (EVAL_BATCHES forwards in eval mode) after every optimizer step.
+        watch_eval: nanwatch's `watch_eval`.
+        resume_after: a first run trains this many micro-batches (whole epochs) and checkpoints the framework's own
+            way; a fresh run (new model, new nanwatch object) resumes from that checkpoint.
+    """
+
+    inf_at: int | None = None
+    inf_rank: int | None = None
+    eval_inf_at: int | None = None
+    raise_at: int | None = None
+    accumulation: int = 1
+    epochs: int = 3
+    evaluate: bool = False
+    watch_eval: bool = False
+    resume_after: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.resume_after is not None and (
+            self.resume_after <= 0 or self.resume_after % MICRO_BATCHES_PER_EPOCH != 0
+        ):
+            raise ValueError(
+                f"resume_after must be a positive multiple of {MICRO_BATCHES_PER_EPOCH} (whole epochs), "
+                f"got {self.resume_after}"
+            )
+        if MICRO_BATCHES_PER_EPOCH % self.accumulation != 0:
+            raise ValueError(f"accumulation must divide {MICRO_BATCHES_PER_EPOCH}, got {self.accumulation}")
+
+    def config(self, workdir: Path) -> dict[str, Any]:
+        """nanwatch's settings for this scenario: reports go to `workdir/reports`."""
+        return {"report_dir": report_dir(workdir), "watch_eval": self.watch_eval}
+
+    @property
+    def micro_batches(self) -> int:
+        return self.epochs * MICRO_BATCHES_PER_EPOCH
+
+
+def report_dir(workdir: Path) -> Path:
+    return workdir / "reports"
+
+
+def world_size() -> int:
+    """2 under torchrun (ddp_rank.py), 1 in the test process."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def current_rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+class Fault(nn.Module):
+    """Passes its input through, except: at training forward `inf_at` (on `inf_rank`) and eval forward `eval_inf_at`
+    it adds inf; at training forward `raise_at` it raises the user's own `RuntimeError` (kept as `raised`).
+
+    `count` is the index of the next training micro-batch; a resumed run sets it to the micro-batches already done.
+    """
+
+    def __init__(self, inf_at: int | None, inf_rank: int | None, eval_inf_at: int | None, raise_at: int | None) -> None:
+        super().__init__()
+        self.inf_at = inf_at
+        self.inf_rank = inf_rank
+        self.eval_inf_at = eval_inf_at
+        self.raise_at = raise_at
+        self.count = 0
+        self.eval_count = 0
+        self.eval_hits = 0  # eval forwards that really were given inf
+        self.raised: RuntimeError | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            index = self.count
+            self.count += 1
+            if index == self.raise_at:
+                self.raised = RuntimeError(f"user bug at batch {index}")
+                raise self.raised
+            hit = index == self.inf_at and (self.inf_rank is None or current_rank() == self.inf_rank)
+        else:
+            hit = self.eval_count == self.eval_inf_at
+            self.eval_count += 1
+            self.eval_hits += hit
+        return x + float("inf") if hit else x
+
+
+class Block(nn.Module):
+    def __init__(self, fault: Fault) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 8)
+        self.act = nn.ReLU()
+        self.fault = fault
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.fault(self.act(self.linear(x)))
+        return out
+
+
+class Net(nn.Module):
+    """block (linear -> act -> fault) -> head; returns {"loss", "logits"} as a transformers model does.
+
+    The fault module's qualified name is `block.fault`.
+    """
+
+    def __init__(self, scenario: Scenario) -> None:
+        super().__init__()
+        self.block = Block(Fault(scenario.inf_at, scenario.inf_rank, scenario.eval_inf_at, scenario.raise_at))
+        self.head = nn.Linear(8, 1)
+
+    @property
+    def fault(self) -> Fault:
+        fault: Fault = self.block.fault
+        return fault
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        logits = self.head(self.block(x))
+        result = {"logits": logits}
+        if labels is not None:
+            result["loss"] = nn.functional.mse_loss(logits, labels)
+        return result
+
+
+def new_net(scenario: Scenario, *, micro_batches_done: int = 0) -> Net:
+    """The same initial weights on every rank and in every harness."""
+    torch.manual_seed(0)
+    net = Net(scenario)
+    net.fault.count = micro_batches_done
+    return net
+
+
+class SumDataset(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
+    """`n` random 4-vectors labelled with the sum of their entries, as dicts {"x", "labels"} (what HF's collator and
+    the model's keyword arguments expect; the other harnesses read the same keys)."""
+
+    def __init__(self, n: int, seed: int) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        self.x = torch.randn(n, 4, generator=generator)
+        self.y = self.x.sum(dim=1, keepdim=True)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return {"x": self.x[index], "labels": self.y[index]}
+
+
+def train_dataset() -> SumDataset:
+    """MICRO_BATCHES_PER_EPOCH batches of BATCH_SIZE per rank and epoch, once the framework shards it across ranks."""
+    return SumDataset(BATCH_SIZE * MICRO_BATCHES_PER_EPOCH * world_size(), seed=0)
+
+
+def eval_dataset() -> SumDataset:
+    return SumDataset(BATCH_SIZE * EVAL_BATCHES, seed=1)
+
+
+def snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {name: value.detach().clone() for name, value in model.state_dict().items()}
+
+
+def same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[name], b[name]) for name in a)
+
+
+class StepRecorder:
+    """The weights as the run begins, then after every optimizer step that really ran (a post-hook on the torch
+    optimizer, below any framework wrapper: a step that nanwatch stopped, or that a wrapper skipped, adds nothing)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.weights = [snapshot(model)]
+        self._handles: list[Any] = []
+
+    def restart(self) -> None:
+        """The (resumed) run begins now: forget what came before."""
+        self.weights = [snapshot(self.model)]
+
+    def track(self, optimizer: Any) -> None:
+        real = getattr(optimizer, "optimizer", optimizer)  # Accelerate's AcceleratedOptimizer keeps it there
+        assert isinstance(real, torch.optim.Optimizer), type(real)
+        self._handles.append(real.register_step_post_hook(lambda *_: self.weights.append(snapshot(self.model))))
+
+    def close(self) -> None:
+        while self._handles:
+            self._handles.pop().remove()
+
+
+def hooks_on(model: nn.Module, optimizers: list[Any]) -> int:
+    """Hooks of every kind on any module of `model`, and step hooks on the (torch) optimizers."""
+    count = sum(len(getattr(module, name)) for module in model.modules() for name in _MODULE_HOOK_DICTS)
+    for optimizer in optimizers:
+        real = getattr(optimizer, "optimizer", optimizer)
+        count += len(real._optimizer_step_pre_hooks) + len(real._optimizer_step_post_hooks)
+    return count
+
+
+@dataclass
+class Outcome:
+    """What a harness hands back once its run ended (by an exception or not).
+
+    Attributes:
+        error: what the call that ran training raised, or None.
+        fault: the fault module of the (last) run: its counts and the user error it raised.
+        counters: the adapter's `Watcher.state_dict()` as the run ended (empty if no watcher was made).
+        weights: as the (last) run began, then after each optimizer step that ran in it.
+        final: the weights when the run ended.
+        reports: names of the files in `workdir/reports` (sorted; empty if none).
+        hooks_left: hooks of any kind left on the model and its optimizer (the harness's own removed first).
+    """
+
+    error: BaseException | None
+    fault: Fault = field(repr=False)
+    counters: dict[str, Any]
+    weights: list[dict[str, torch.Tensor]] = field(repr=False)
+    final: dict[str, torch.Tensor] = field(repr=False)
+    reports: list[str]
+    hooks_left: int
+
+    @property
+    def steps_done(self) -> int:
+        return len(self.weights) - 1
+
+    def final_weights_are_after_step(self, step: int) -> bool:
+        return same_weights(self.final, self.weights[step])
+
+    def record(self) -> dict[str, Any]:
+        """The outcome as JSON-able data (what ddp_rank.py writes for each rank)."""
+        error = self.error
+        described = None
+        if error is not None:
+            described = {
+                "type": type(error).__name__,
+                "message": str(error),
+                **{
+                    name: getattr(error, name, None)
+                    for name in ("batch_number", "rank", "module_name", "phase", "optimizer_step")
+                },
+            }
+        return {
+            "rank": int(os.environ.get("RANK", "0")),  # the framework may have left the process group already
+            "world_size": world_size(),
+            "error": described,
+            "counters": self.counters,
+            "steps_done": self.steps_done,
+            "final_weights_are_after_last_step": self.final_weights_are_after_step(self.steps_done),
+            "steps_changed_the_weights": not same_weights(self.weights[-1], self.weights[0]),
+            "finite": all(bool(torch.isfinite(value).all()) for value in self.final.values()),
+            "reports": self.reports,
+            "hooks_left": self.hooks_left,
+        }
+
+
+def outcome(
+    error: BaseException | None,
+    *,
+    net: Net,
+    watcher: Any,
+    recorder: StepRecorder,
+    model: nn.Module,
+    optimizers: list[Any],
+    workdir: Path,
+) -> Outcome:
+    """Collect the outcome; `model` is the module the adapter watched (the LightningModule, or the net itself)."""
+    recorder.close()
+    reports = report_dir(workdir)
+    return Outcome(
+        error=error,
+        fault=net.fault,
+        counters={} if watcher is None else dict(watcher.state_dict()),
+        weights=recorder.weights,
+        final=snapshot(net),
+        reports=sorted(path.name for path in reports.iterdir()) if reports.is_dir() else [],
+        hooks_left=hooks_on(model, optimizers),
+    )
