@@ -9,12 +9,21 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import sys
+
 import torch
 
 from nanwatch.core.watcher import Watcher
 from nanwatch.errors import NanwatchError
 
-__all__ = ["unwrap_model", "guard_optimizers", "stop_on_error", "add_phase_hook", "real_optimizer"]
+__all__ = [
+    "unwrap_model",
+    "guard_optimizers",
+    "stop_on_error",
+    "add_phase_hook",
+    "real_optimizer",
+    "close_when_forward_raises",
+]
 
 
 def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
@@ -88,3 +97,27 @@ def add_phase_hook(
 ) -> None:
     """A forward pre-hook on the root module (where each top-level forward starts), removed by `watcher.close()`."""
     watcher.hooks.add_handle(root.register_forward_pre_hook(before, prepend=prepend))
+
+
+def close_when_forward_raises(watcher: Watcher, root: torch.nn.Module, close: Callable[[], None]) -> None:
+    """Run `close` when the root's forward raises the user's own error, for frameworks that tell callbacks nothing
+    when training fails (the HF Trainer): the error goes on unchanged, and no hook of ours stays on the model."""
+
+    def after_failed_forward(module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        # With always_call, torch runs this hook inside its `except` when the forward raised: the error is current.
+        failure = sys.exc_info()[1]
+        if failure is not None and not isinstance(failure, NanwatchError):
+            close()
+
+    handle = root.register_forward_hook(after_failed_forward, always_call=True)
+    watcher.hooks.add_handle(handle)
+
+    def keep_last(module: torch.nn.Module, args: tuple[Any, ...]) -> None:
+        # `close` removes hooks from the very dict torch is walking when it calls this one. The walk may end after
+        # such a change only if this hook is its last item: were it not, torch would raise "OrderedDict mutated
+        # during iteration" in place of the user's error. So it is kept last, before every forward.
+        hooks = module._forward_hooks
+        if handle.id in hooks and next(reversed(hooks)) != handle.id:
+            hooks.move_to_end(handle.id)
+
+    watcher.hooks.add_handle(root.register_forward_pre_hook(keep_last))

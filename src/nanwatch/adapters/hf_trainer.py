@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from nanwatch.adapters._common import add_phase_hook, guard_optimizers, unwrap_model
+from nanwatch.adapters._common import add_phase_hook, close_when_forward_raises, guard_optimizers, unwrap_model
 from nanwatch.core.config import WatchConfig, resolve_config
 from nanwatch.core.features.loss_scale import LossScaleHistory, scaler_of
 from nanwatch.core.features.summary import Summary
@@ -38,8 +38,9 @@ __all__ = ["OverflowTrainerCallback"]
 class OverflowTrainerCallback(TrainerCallback):  # type: ignore[misc,unused-ignore]
     """Watches every module of the model a transformers `Trainer` trains, and stops the run at the first inf/nan.
 
-    Hooks are attached in `on_train_begin` and removed in `on_train_end` and before nanwatch raises. The Trainer
-    tells callbacks nothing when something else raises: the next `train()` removes stale hooks, or call `close()`.
+    Hooks are attached in `on_train_begin` and removed in `on_train_end`, before nanwatch raises, and when the model's
+    forward raises. The Trainer tells callbacks nothing when something else raises (a callback, the loss code outside
+    the model): the next `train()` removes stale hooks then, or call `close()`.
 
     Args:
         config: a `WatchConfig`, a dict of its fields, or the path of a YAML/JSON file; defaults when None.
@@ -87,6 +88,8 @@ class OverflowTrainerCallback(TrainerCallback):  # type: ignore[misc,unused-igno
             watcher.watch_scaler(scaler, read_scale="when_settled")
         watcher.attach()
         add_phase_hook(watcher, root, self._before_top_forward)
+        # The Trainer tells callbacks nothing when training raises; an error in the model's forward is seen here.
+        close_when_forward_raises(watcher, root, lambda: self.close(check=True))
         if scaler is not None and optimizer is not None:
             # Inside `scaler.step`, which calls `optimizer.step` only for a step it does not skip: gradients found
             # non-finite since on_pre_optimizer_step's check are about to be applied. Every rank gets here alike.
