@@ -10,9 +10,9 @@ only read files (`nanwatch --help`, `show`, `diff`, `plot`), never import torch.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from nanwatch._lazy import lazy_exports
 from nanwatch._version import __version__
 
 if TYPE_CHECKING:
@@ -69,13 +69,7 @@ _HOMES = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    home = _HOMES.get(name)
-    if home is None:
-        raise AttributeError(f"module 'nanwatch' has no attribute {name!r}")
-    value = getattr(importlib.import_module(home), name)
-    globals()[name] = value  # once: later look-ups find it directly
-    return value
+__getattr__ = lazy_exports(__name__, _HOMES, globals())
 
 
 def __dir__() -> list[str]:

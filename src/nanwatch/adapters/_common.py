@@ -6,10 +6,9 @@ agreement_point, on_optimizer_step, watch_loss, watch_scaler, close, state dicts
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterable
 from typing import Any
-
-import sys
 
 import torch
 
@@ -118,6 +117,6 @@ def close_when_forward_raises(watcher: Watcher, root: torch.nn.Module, close: Ca
         # during iteration" in place of the user's error. So it is kept last, before every forward.
         hooks = module._forward_hooks
         if handle.id in hooks and next(reversed(hooks)) != handle.id:
-            hooks.move_to_end(handle.id)
+            hooks[handle.id] = hooks.pop(handle.id)  # to the end, under the same key
 
     watcher.hooks.add_handle(root.register_forward_pre_hook(keep_last))

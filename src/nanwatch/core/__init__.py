@@ -7,8 +7,9 @@ below are imported when first used, so reading reports (`nanwatch show`) never i
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from nanwatch._lazy import lazy_exports
 
 if TYPE_CHECKING:
     from nanwatch.core.config import WatchConfig, resolve_config
@@ -67,13 +68,7 @@ _HOMES = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    home = _HOMES.get(name)
-    if home is None:
-        raise AttributeError(f"module 'nanwatch.core' has no attribute {name!r}")
-    value = getattr(importlib.import_module(home), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_exports(__name__, _HOMES, globals())
 
 
 def __dir__() -> list[str]:
