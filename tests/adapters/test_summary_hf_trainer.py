@@ -75,15 +75,16 @@ def test_with_the_trainers_own_logging_every_step_the_summary_joins_its_interval
 def test_watching_every_other_micro_batch_misses_an_inf_there_and_says_so(
     tmp_path: Path, nanwatch_log: pytest.LogCaptureFixture
 ) -> None:
-    # Micro-batch 3 (unwatched, the last of step 1) goes inf; step 1 writes non-finite weights; micro-batch 4,
-    # watched, finds them in its first module and the log says which batches before it went unwatched.
+    # Micro-batch 3 (unwatched, the last of step 1) goes inf: no frame of it is recorded, but the guard reads the
+    # gradients before every step, watched or not, so step 1 never runs; the log says which batches went unwatched.
     outcome = train(tmp_path, inject_at=3, config={"watch_every_n_batches": 2})
     error = outcome.error
     assert error is not None
-    assert error.batch_number == 4
-    assert error.module_name == "inp"
+    assert error.batch_number == 3
+    assert error.module_name == "inp"  # the first parameter whose gradient is not finite
+    assert "non-finite gradients about to be applied by optimizer step 1: inp.weight" in error.report
     warnings = [r.getMessage() for r in nanwatch_log.records if r.levelno == logging.WARNING]
-    assert any("batch_number=3 before this one were not watched" in message for message in warnings)
+    assert any("batch_number=3 up to this one were not watched" in message for message in warnings)
     assert hook_count(outcome.model) == 0
 
 

@@ -82,14 +82,15 @@ def test_a_glob_matching_nothing_stops_fit_before_training(tmp_path: Path) -> No
     assert hook_count(model) == 0
 
 
-def test_an_unwatched_micro_batch_is_not_checked_but_counted(tmp_path: Path) -> None:
-    # Micro-batch 1 goes inf but is not watched: its optimizer step runs and writes non-finite weights, which the
-    # next watched micro-batch, 2, finds in its first module. The documented limit of watching every Nth batch.
+def test_an_unwatched_micro_batch_is_not_recorded_but_its_step_is_guarded(tmp_path: Path) -> None:
+    # Micro-batch 1 goes inf but is not watched: no frame of it is recorded, but the guard reads the gradients
+    # before every optimizer step, watched or not, so step 1 never runs.
     model = InjectingModule(inject_at=1)
     callback = OverflowCallback(watch_every_n_batches=2)
     trainer = make_trainer(tmp_path, [callback], accumulate_grad_batches=1)
     with pytest.raises(NonFiniteError) as caught:
         trainer.fit(model, *loaders())
-    assert caught.value.batch_number == 2
-    assert caught.value.module_name == "inp"
-    assert trainer.global_step == 2
+    assert caught.value.batch_number == 1
+    assert caught.value.module_name == "inp"  # the first parameter whose gradient is not finite
+    assert "non-finite gradients about to be applied by optimizer step 1" in caught.value.report
+    assert trainer.global_step == 1

@@ -75,9 +75,24 @@ def guard_optimizers(
     """
     for index, optimizer in enumerate(optimizers):
         real = real_optimizer(optimizer)
+        watcher.on_optimizer_step("guarded", real)
 
-        def before(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-            run(lambda: watcher.on_optimizer_step("before", opt))
+        def before(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
+            # `args` starts with the optimizer itself: step(self, closure=None).
+            closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+            if closure is None:
+                run(lambda: watcher.on_optimizer_step("before", opt))
+                return None
+
+            # A closure (LBFGS, Lightning) computes the gradients inside step(): check each time it has run.
+            def checked() -> Any:
+                result = closure()
+                run(lambda: watcher.on_optimizer_step("before", opt))
+                return result
+
+            if "closure" in kwargs:
+                return args, {**kwargs, "closure": checked}
+            return (args[0], checked, *args[2:]), kwargs
 
         def after(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
             watcher.on_optimizer_step("after", opt)

@@ -90,9 +90,9 @@ class OverflowTrainerCallback(TrainerCallback):  # type: ignore[misc,unused-igno
         add_phase_hook(watcher, root, self._before_top_forward)
         # The Trainer tells callbacks nothing when training raises; an error in the model's forward is seen here.
         close_when_forward_raises(watcher, root, lambda: self.close(check=True))
-        if scaler is not None and optimizer is not None:
-            # Inside `scaler.step`, which calls `optimizer.step` only for a step it does not skip: gradients found
-            # non-finite since on_pre_optimizer_step's check are about to be applied. Every rank gets here alike.
+        if optimizer is not None:
+            # Checked before each step (under a scaler, inside `scaler.step`, which calls `optimizer.step` only for
+            # a step it does not skip); every rank gets here alike.
             guard_optimizers(watcher, [optimizer], run=self._stopping)
         watcher.summary_sink = self._hold_summary  # on every rank: see on_step_end
         self.watcher = watcher
@@ -173,9 +173,7 @@ class OverflowTrainerCallback(TrainerCallback):  # type: ignore[misc,unused-igno
             return
         if phase == "train":
             watcher.start_batch("train")
-        # Evaluation: every rank evaluates the same batches, so the check agrees across ranks there too.
-        agree = True if phase == "eval" else None
-        self._stopping(lambda: watcher.end_batch(agree=agree, optimizer_step=state.global_step, epoch=_epoch(state)))
+        self._stopping(lambda: watcher.end_batch(optimizer_step=state.global_step, epoch=_epoch(state)))
 
     def _stopping(self, action: Callable[[], None]) -> None:
         try:

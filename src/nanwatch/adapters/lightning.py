@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
-from torch.optim import Optimizer
 
 from nanwatch.adapters._common import guard_optimizers
 from nanwatch.core.config import WatchConfig, resolve_config
@@ -74,8 +73,9 @@ class OverflowCallback(Callback):
         scaler = scaler_of(trainer.precision_plugin)  # MixedPrecision("16-mixed") and FSDP's have one
         if scaler is not None:
             watcher.watch_scaler(scaler)
-            # `scaler.step(optimizer)` calls `optimizer.step()` only for the steps it does not skip.
-            guard_optimizers(watcher, trainer.optimizers, count_steps=False)
+        # Checked before each step (after Lightning's closure computed the gradients); under a scaler only the steps
+        # it does not skip reach the optimizer.
+        guard_optimizers(watcher, trainer.optimizers, count_steps=False)
         self.watcher = watcher
 
     def _stop(self, *, check: bool = False) -> None:
@@ -114,15 +114,6 @@ class OverflowCallback(Callback):
         if self.watcher is not None and self.watcher.loss_scale is not None:
             # Under a scaler an inf loss would pass for an overflow the scaler handles (core/features/loss_scale.py).
             self.watcher.watch_loss(loss)
-        # Automatic optimization runs exactly one backward per micro-batch, before any optimizer step that uses it.
-        if self.watcher is not None and pl_module.automatic_optimization:
-            self.watcher.agreement_point()
-
-    def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Optimizer) -> None:
-        # Manual optimization may run any number of backwards; what must not happen is a step applying inf/nan.
-        # With watch_gradients, the backward frames recorded since `on_before_backward` are checked here too.
-        if self.watcher is not None and (not pl_module.automatic_optimization or self.config.watch_gradients):
-            self.watcher.agreement_point()
 
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -152,7 +143,7 @@ class OverflowCallback(Callback):
         dataloader_idx: int = 0,
     ) -> None:
         if self.watcher is not None and self.config.watch_eval:
-            self.watcher.end_batch(agree=True)  # every rank validates the same number of batches
+            self.watcher.end_batch()
 
     on_test_batch_start = on_validation_batch_start
     on_test_batch_end = on_validation_batch_end

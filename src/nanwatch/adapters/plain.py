@@ -119,7 +119,7 @@ class WatchHandle:
 
     def check(self) -> None:
         """Check now (one host sync, and a collective when distributed) rather than waiting for `step()`."""
-        self.watcher.agreement_point(covers_batch=False)
+        self.watcher.agreement_point(hold=False)
 
     def summary(self) -> dict[str, float]:
         """The abs max of every watched module in the last training batch checked clean, also logged to "nanwatch".

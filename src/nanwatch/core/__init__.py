@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from nanwatch.core.config import WatchConfig, resolve_config
     from nanwatch.core.events import EngineContext, Feature
     from nanwatch.core.frames import Direction, Entry, Frame, FrameRing, ResolvedEntry, ResolvedFrame, Role
-    from nanwatch.core.ranks import GlobalDetection, agree_on_detection, world_size_and_rank
+    from nanwatch.core.ranks import Detection, DetectionBoard, world_size_and_rank
     from nanwatch.core.report import Report
     from nanwatch.core.stats.measure import Measurement, StatsCache, measure
     from nanwatch.core.watcher import Watcher
@@ -29,7 +29,8 @@ __all__ = [
     "Feature",
     "Frame",
     "FrameRing",
-    "GlobalDetection",
+    "Detection",
+    "DetectionBoard",
     "Measurement",
     "Report",
     "ResolvedEntry",
@@ -38,7 +39,6 @@ __all__ = [
     "StatsCache",
     "WatchConfig",
     "Watcher",
-    "agree_on_detection",
     "measure",
     "resolve_config",
     "world_size_and_rank",
@@ -57,8 +57,8 @@ _HOMES = {
     "ResolvedEntry": "nanwatch.core.frames",
     "ResolvedFrame": "nanwatch.core.frames",
     "Role": "nanwatch.core.frames",
-    "GlobalDetection": "nanwatch.core.ranks",
-    "agree_on_detection": "nanwatch.core.ranks",
+    "Detection": "nanwatch.core.ranks",
+    "DetectionBoard": "nanwatch.core.ranks",
     "world_size_and_rank": "nanwatch.core.ranks",
     "Report": "nanwatch.core.report",
     "Measurement": "nanwatch.core.stats.measure",

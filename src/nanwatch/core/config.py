@@ -90,6 +90,15 @@ class WatchConfig(BaseModel):
         "logger for the plain loop). None: no summary.",
     )
 
+    rank_wait_s: float = Field(
+        10.0,
+        gt=0,
+        le=3600,
+        description="Distributed: how long a rank that saw inf/nan waits for the other ranks' word (through the "
+        "process group's store, never a collective) before it raises on its own. At an optimizer step every rank "
+        "usually sees the same non-finite gradients at once, so the wait is that long only when some ranks saw "
+        "nothing (uneven data with ddp.join(), a nan that never reached the gradients).",
+    )
     headroom_warn_fraction: float | None = Field(
         0.125,
         description="Warn (nanwatch logger) when a tensor's abs max reaches this fraction of its dtype's max (float16: "

@@ -10,7 +10,8 @@ The events, in the order a micro-batch meets them:
 - `attach(ctx, modules)` / `detach(ctx)`: watching starts and ends (the engine removes every hook in `ctx.hooks`).
 - `on_frame(ctx, frame, module, args, output)`: a frame was recorded; only while the batch is traced.
 - `screen(ctx, pending, maxima)`: device flags (True = fine) folded into the check's single host read.
-- `review(ctx, pending)`: one of this feature's flags tripped and nothing is inf/nan: read what it needs, warn.
+- `review(ctx, pending)`: one of this feature's flags tripped and no frame is inf/nan: read what it needs, warn, or
+  return a detection of its own (the guard: non-finite gradients about to be applied).
 - `on_commit(ctx, frames)`: frames were checked clean and moved into the ring.
 - `held(ctx)`: a detection the feature held back earlier that must be raised now.
 - `annotate(ctx, report, resolved, first)`: add a section to a detection's report.
@@ -32,15 +33,16 @@ if TYPE_CHECKING:
     from nanwatch.core.config import WatchConfig
     from nanwatch.core.frames import Frame, ResolvedFrame
     from nanwatch.core.hooks import HookSet
-    from nanwatch.core.report import Report
+    from nanwatch.core.report import Report, ReportSection
     from nanwatch.core.stats.measure import Measurement
 
 __all__ = ["EngineContext", "Feature", "OptimizerStage", "Phase"]
 
 Phase = Literal["train", "eval"]
-# "before": the optimizer is about to apply the gradients; "after": its step ran; "settled": the loss scaler has
-# decided the last micro-batch's step and updated its scale (the scale can be read).
-OptimizerStage = Literal["before", "after", "settled"]
+# "guarded": an adapter will report "before" for each step of this optimizer; "before": the optimizer is about to
+# apply the gradients; "after": its step ran; "settled": the loss scaler has decided the last micro-batch's step and
+# updated its scale (the scale can be read).
+OptimizerStage = Literal["guarded", "before", "after", "settled"]
 
 
 class EngineContext(Protocol):
@@ -104,6 +106,9 @@ class EngineContext(Protocol):
     def report_for(self, frames: Sequence[Frame]) -> Report | None:
         """The report of `frames` if one holds inf/nan (one read), annotated by every feature; nothing committed."""
 
+    def gradient_report(self, section: ReportSection, module_name: str | None) -> Report:
+        """A report of a detection in the gradients alone: the latest frames for context, then `section`."""
+
     def keep_as_context(self, frames: Iterable[Frame]) -> None:
         """Put frames into the ring, as earlier frames for later reports."""
 
@@ -141,8 +146,10 @@ class Feature:
         """
         return []
 
-    def review(self, ctx: EngineContext, pending: Sequence[Frame]) -> None:
-        """A flag of this feature tripped and no abs max is inf/nan: read what is needed and warn."""
+    def review(self, ctx: EngineContext, pending: Sequence[Frame]) -> Report | None:
+        """A flag of this feature tripped and no abs max is inf/nan: read what is needed and warn, or return a
+        detection (a report, raised as any other)."""
+        return None
 
     def on_commit(self, ctx: EngineContext, frames: Sequence[Frame]) -> None:
         """`frames` were checked clean (references only: nothing here may read the device)."""

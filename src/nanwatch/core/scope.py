@@ -136,15 +136,18 @@ class BatchSchedule:
     def missed_note(self, batch_number: int) -> str | None:
         """What a report about training batch `batch_number` cannot say: whether an unwatched batch went first.
 
-        None when the batch before it was watched (or it is batch 0).
+        The batch itself may be unwatched too: the optimizer guard reports non-finite gradients at every step.
+        None when the batches up to it were watched (or it is batch 0 and watched).
         """
-        gap = self.unwatched_before(batch_number)
+        watched = self.watched(batch_number)
+        gap = self.unwatched_before(batch_number if watched else batch_number + 1)
         if gap is None:
             return None
         first, last = gap
         batches = f"batch_number={first}" if first == last else f"batch_numbers {first}..{last}"
+        which = "before this one" if watched else "up to this one"
         return (
-            f"nanwatch: {batches} before this one were not watched (watch_every_n_batches={self.every}, "
+            f"nanwatch: {batches} {which} were not watched (watch_every_n_batches={self.every}, "
             f"watch_first_batch={self.first}, watch_last_batch={self.last}); the inf/nan may have appeared there "
             f"first, for example if the weights or the inputs in this report are already non-finite. To see where, "
             f"rerun with watch_first_batch={first} and watch_every_n_batches=1."

@@ -26,8 +26,8 @@ from nanwatch.core.formats.files import write_report
 from nanwatch.core.frames import Entry, Frame, FrameRing, Role, resolve
 from nanwatch.core.hooks import HookSet, named_unique_modules
 from nanwatch.core.log import get_logger
-from nanwatch.core.ranks import GlobalDetection, agree_on_detection, world_size_and_rank
-from nanwatch.core.report import Report
+from nanwatch.core.ranks import Detection, DetectionBoard, Kind, world_size_and_rank
+from nanwatch.core.report import Report, ReportSection
 from nanwatch.core.scope import BatchSchedule, select_modules
 from nanwatch.core.stats.measure import Measurement, StatsCache, extra_kernels, read_flags, stack_maxima
 from nanwatch.core.walk import TooDeep, TooMany, walk
@@ -43,6 +43,11 @@ _INPUT_LABELS = tuple(f"input[{index}]" for index in range(16))
 _ITEM_SUFFIXES = tuple(f"[{index}]" for index in range(16))
 _PARAMETER, _INPUT, _OUTPUT = Role.PARAMETER, Role.INPUT, Role.OUTPUT
 _F = TypeVar("_F", bound=Feature)
+
+
+def _kind(report: Report) -> Kind:
+    """What a detection rests on: a frame holding inf/nan, or only the gradients about to be applied."""
+    return "frames" if any(frame.non_finite for frame in report.frames) else "gradients"
 
 
 class _Keep(enum.Enum):
@@ -87,8 +92,12 @@ class Watcher:
         self._features = features_for(config)
         self._ctx: EngineContext = _Context(self)
         self._held_report: Report | None = None
-        self._agreed_this_batch = False
         self._batch_started = False  # a training forward ran since the last end_batch()
+        # Distributed: where ranks tell each other of a detection, with no collective (core/ranks.py).
+        self._board = DetectionBoard.for_this_run(self.rank, self.world_size, config.rank_wait_s)
+        self._detection: Report | None = None  # seen, and held for the optimizer step where ranks meet
+        self._published = False
+        self._guarded = False  # an adapter checks before each optimizer step
         self._feature(SummaryFeature).sink = self._log_summary
         self._update_tracing()
 
@@ -133,8 +142,12 @@ class Watcher:
             for feature in self._features:
                 self._safely(f"closing {feature.name}", feature.detach, self._ctx)
                 self._safely(f"closing {feature.name}", feature.close, self._ctx)
+        if report is None and self._detection is not None:  # held for a step that never came
+            report = self._detection
+            if not self._published:
+                self._publish(report)
         if report is not None and raise_detection:
-            self._raise_detection(report, GlobalDetection(report.batch_number, self.rank))
+            self._raise_detection(report, Detection(report.batch_number, self.rank, report.phase))
         return report
 
     def start_batch(
@@ -152,40 +165,27 @@ class Watcher:
             self._update_tracing()
         if phase == "train":
             self._batch_started = True
+            if self._board is not None and self._board.posted_elsewhere():
+                self._raise_verdict(None)  # another rank stopped: so does this one, before its next forward
 
-    def end_batch(
-        self,
-        *,
-        agree: bool | None = None,
-        optimizer_step: int | None | _Keep = KEEP,
-        epoch: int | None | _Keep = KEEP,
-    ) -> None:
+    def end_batch(self, *, optimizer_step: int | None | _Keep = KEEP, epoch: int | None | _Keep = KEEP) -> None:
         """The current micro-batch is over: check it, then advance its phase's counter.
 
-        Args:
-            agree: run the check's collective now (every rank). Training: by default only if no agreement point ran
-                during this micro-batch. Evaluation: by default not (evaluation often runs on some ranks only: a
-                detection raises on this rank alone), and the training micro-batch keeps its agreement state.
+        A training detection raises at once in a single process; distributed, it is published now and raised at the
+        next optimizer step, where every rank meets (with no guarded optimizer: now). An evaluation detection
+        raises now (evaluation may run on some ranks only; the others stop at their next check).
 
         Raises:
-            NonFiniteError: some rank saw inf/nan in a batch checked now.
+            NonFiniteError: this rank, or another, saw inf/nan.
             BatchLimitReached: `abort_after_batch_num` was the batch that just ended.
         """
         self._set_counters(optimizer_step, epoch)
         if self._phase == "eval":
-            if agree:
-                self._check_and_agree()
-            else:
-                local = self._check_safely()
-                if local is not None:
-                    self._publish(local)
-                    self._raise_detection(local, GlobalDetection(local.batch_number, self.rank))
+            self._settle(hold=False, wait=False)
             self._dispatch("on_batch_end", "eval", self.eval_batch_number)
             self.eval_batch_number += 1
             return
-        if agree if agree is not None else not self._agreed_this_batch:
-            self._check_and_agree()
-        self._agreed_this_batch = False
+        self._settle(hold=True)
         self._batch_started = False
         self._dispatch("on_batch_end", "train", self.batch_number)  # the scale, a due summary: may raise the floor
         self.batch_number += 1
@@ -200,13 +200,10 @@ class Watcher:
                 batch_number=self.batch_number - 1,
             )
 
-    def agreement_point(self, *, covers_batch: bool = True) -> None:
-        """Check and agree across ranks now, at a point every rank reaches (before backward, say): raises
-        `NonFiniteError` on every rank if any rank saw inf/nan. With `covers_batch`, `end_batch()` then runs no
-        collective of its own (frames recorded later wait for the next check)."""
-        self._check_and_agree()
-        if covers_batch:
-            self._agreed_this_batch = True
+    def agreement_point(self, *, hold: bool = True) -> None:
+        """Check now (before backward, say) rather than at the end of the micro-batch; a detection raises as in
+        `end_batch()` (`hold=False`: at once, on every rank that meets this check)."""
+        self._settle(hold=hold)
 
     def on_optimizer_step(
         self,
@@ -215,15 +212,18 @@ class Watcher:
         *,
         optimizer_step: int | None | _Keep = KEEP,
     ) -> None:
-        """An optimizer step is at `stage`: "before" it applies the gradients (check and agree: a step that would
-        apply inf/nan never runs), "after" it ran (counted), or "settled" (the loss scaler decided the last
-        micro-batch's step). `optimizer_step`: the framework's own count of completed steps, when it keeps one."""
+        """An optimizer step is at `stage`: "guarded" (the adapter will report "before" for each of its steps),
+        "before" it applies the gradients (the recorded frames and the gradients are checked, and every rank agrees:
+        a step that would apply inf/nan never runs), "after" it ran (counted), or "settled" (the loss scaler decided
+        the last micro-batch's step). `optimizer_step`: the framework's own count of completed steps, if it keeps one.
+        """
         self._set_counters(optimizer_step, KEEP)
+        if stage == "guarded":
+            self._guarded = True
+            return
         self._dispatch("on_optimizer_step", stage, optimizer)
         if stage == "before":
-            self._check_and_agree()
-            if self._batch_started:  # else a loop that ended the micro-batch first: it was checked already
-                self._agreed_this_batch = True
+            self._settle(hold=False)
         elif stage == "after" and optimizer_step is KEEP:
             self.optimizer_step = 1 if self.optimizer_step is None else self.optimizer_step + 1
 
@@ -401,14 +401,14 @@ class Watcher:
         """Look at the frames recorded since the last check (one host read per device); a report if any holds
         inf/nan. Clean frames move into the ring."""
         pending = self._pending
-        if not pending:
-            return None
         non_finite, tripped = self._screen(pending, features=True)
         if not non_finite:
-            for feature in tripped:
-                feature.review(self._ctx, pending)
+            found = None
+            for feature in tripped:  # a feature's own flag: it reads what it needs, warns, or reports (the guard)
+                report = feature.review(self._ctx, pending)
+                found = found or report
             self._commit(pending)
-            return None
+            return found
         self._pending = []
         self._cache.forget_activations()
         return self._report_of(pending)
@@ -445,6 +445,23 @@ class Watcher:
             report = feature.annotate(self._ctx, report, resolved, first)
         return report
 
+    def _gradient_report(self, section: ReportSection, module_name: str | None) -> Report:
+        """A detection in the gradients alone: the latest frames for context, and the feature's section."""
+        # The gradients belong to the micro-batch that ran last (a loop may end it before the optimizer steps).
+        batch = self.batch_number if self._batch_started or self.batch_number == 0 else self.batch_number - 1
+        frames = (self._ring.frames() + self._pending)[-self.config.max_frames_to_save :]
+        return Report(
+            batch_number=batch,
+            phase="train",
+            rank=self.rank,
+            world_size=self.world_size,
+            module_name=module_name,
+            frames=resolve(frames),
+            optimizer_step=self.optimizer_step,
+            epoch=self.epoch,
+            sections=(section,),
+        )
+
     def _commit(self, frames: list[Frame]) -> None:
         self._ring.extend(frames)
         self._dispatch("on_commit", frames)  # references only
@@ -479,27 +496,49 @@ class Watcher:
             self._disable(f"checking the recorded frames failed: {error!r}")
             return None
 
-    def _nothing_to_agree(self) -> bool:
-        # Inside a stretch of unwatched training batches nothing was recorded, on any rank: skip the check and its
-        # collective. Decided from the config and batch_number alone (the previous batch too: frames it recorded
-        # after its own agreement point are checked now), so every rank skips the same ones.
-        if self._phase != "train" or self._schedule.watches_all:
-            return False
-        return not self._schedule.watched(self.batch_number) and not self._schedule.watched(self.batch_number - 1)
-
-    def _check_and_agree(self) -> None:
-        """Check locally, agree across ranks, and raise `NonFiniteError` on every rank if any rank saw inf/nan."""
-        if self._nothing_to_agree():
+    def _settle(self, *, hold: bool, wait: bool = True) -> None:
+        """Check; raise on every rank if this rank or another saw inf/nan. Distributed, a detection may be held
+        (published, raised at the optimizer step, where a nan on any rank reaches every rank's gradients)."""
+        report = self._check_safely()
+        if report is not None and self._detection is None:
+            self._detection = report
+            # On disk before anything else: once other ranks learn of it they may exit, and a launcher such as
+            # torchrun can then kill this process before it gets further. Non-finite gradients alone are what
+            # every rank sees after the all-reduce: published only if no rank saw where they came from.
+            if self._board is None or _kind(report) == "frames":
+                self._publish(report)
+                self._published = True
+        mine = self._detection
+        if mine is None:
+            if self._board is not None and self._board.posted_elsewhere():
+                self._raise_verdict(None)
             return
-        local = self._check_safely()
-        if local is not None:
-            # On disk before the collective: once other ranks learn of it they may exit, and a launcher such as
-            # torchrun can then kill this process before it gets further.
-            self._publish(local)
-        number = None if local is None else local.batch_number
-        agreed = agree_on_detection(number, self.rank, self.world_size)
-        if agreed is not None:
-            self._raise_detection(local, agreed)
+        if self._board is None:
+            self._raise_detection(mine, Detection(mine.batch_number, self.rank, mine.phase))
+        if hold and self._guarded:
+            return
+        self._raise_verdict(mine, wait=wait)
+
+    def _raise_verdict(self, mine: Report | None, *, wait: bool = True) -> None:
+        """Settle with the other ranks on one detection (bounded by `rank_wait_s`) and raise it."""
+        assert self._board is not None
+        detection = None if mine is None else Detection(mine.batch_number, self.rank, mine.phase, _kind(mine))
+        try:
+            verdict = self._board.settle(detection, wait=wait)
+        except TimeoutError:
+            return  # nothing was posted after all: nothing to raise
+        except Exception as error:  # the store failed: this rank still stops on what it saw itself
+            self.logger.warning(f"nanwatch could not reach the other ranks ({error!r}); raising on this rank")
+            if detection is None:
+                return
+            verdict = detection
+        if (
+            mine is not None
+            and not self._published
+            and (verdict.batch_number, verdict.rank) == (mine.batch_number, self.rank)
+        ):
+            self._publish(mine)
+        self._raise_detection(mine, verdict)
 
     # --------------------------------------------------------------------------------------- report, raise
 
@@ -518,12 +557,13 @@ class Watcher:
                 self.logger.warning(missed)
         self._dispatch("on_publish", report)
 
-    def _raise_detection(self, local: Report | None, agreed: GlobalDetection) -> NoReturn:
+    def _raise_detection(self, local: Report | None, agreed: Detection) -> NoReturn:
         """Raise `NonFiniteError`: the same on every rank, for the detecting rank and batch `agreed` names."""
+        self._detection, self._published = None, False  # raised once: it is the caller's now
         ours = local is not None and (local.batch_number, self.rank) == (agreed.batch_number, agreed.rank)
         mine = local if ours else None
         module_name = mine.module_name if mine is not None else None
-        phase = local.phase if local is not None else self._phase
+        phase = agreed.phase
         counter = "batch_number" if phase == "train" else f"{phase}_batch_number"
         where = f" on rank {agreed.rank}" if self.world_size > 1 else ""
         culprit = mine.culprit if mine is not None else None
@@ -646,6 +686,9 @@ class _Context:
     def is_last_pending(self, frame: Frame) -> bool:
         pending = self._engine._pending
         return bool(pending) and pending[-1] is frame
+
+    def gradient_report(self, section: ReportSection, module_name: str | None) -> Report:
+        return self._engine._gradient_report(section, module_name)
 
     def report_for(self, frames: Sequence[Frame]) -> Report | None:
         engine = self._engine

@@ -195,7 +195,7 @@ def test_rank_and_world_size_come_back_in_the_text(tmp_path: Path) -> None:
     )
     watcher.attach()
     model(torch.ones(1, 2))
-    watcher.end_batch(agree=False)
+    watcher.end_batch()
     watcher.close(check=False)
     text = (tmp_path / "nanwatch-trace-rank1.txt").read_text()
     assert "*** Starting batch number=0 on rank 1 ***" in text

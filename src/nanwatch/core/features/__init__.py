@@ -7,6 +7,7 @@ from nanwatch.core.events import Feature
 from nanwatch.core.features.capture import ReplayCapture
 from nanwatch.core.features.culprit import CulpritFeature
 from nanwatch.core.features.gradients import GradientRecorder
+from nanwatch.core.features.guard import GradientGuard
 from nanwatch.core.features.headroom import HeadroomMonitor
 from nanwatch.core.features.loss_scale import LossScaleFeature
 from nanwatch.core.features.summary import SummaryFeature
@@ -26,6 +27,7 @@ def features_for(config: WatchConfig) -> list[Feature]:
         features.append(TraceFeature())
     if config.watch_gradients:
         features.append(GradientRecorder())
+    features.append(GradientGuard())  # before each optimizer step, on by default
     features.append(CulpritFeature())
     if HeadroomMonitor.wanted(config):
         features.append(HeadroomMonitor(config))

@@ -25,6 +25,7 @@ import torch
 from nanwatch.core.config import WatchConfig
 from nanwatch.core.events import EngineContext, Feature
 from nanwatch.core.frames import Entry, Frame
+from nanwatch.core.report import Report
 from nanwatch.core.stats.limits import Limits, dtype_name, limits_of, round_up, target_limits
 from nanwatch.core.stats.measure import Measurement
 from nanwatch.core.stats.underflow import EXCESS_INDEX, UNDERFLOW
@@ -182,7 +183,7 @@ class HeadroomMonitor(Feature):
         self, ctx: EngineContext, pending: Sequence[Frame], maxima: Mapping[tuple[Any, Any], torch.Tensor]
     ) -> list[torch.Tensor]:
         """Flags that trip when an abs max reaches a threshold (or is inf/nan), or a tensor underflows too much."""
-        if not self.active:
+        if not self.active or not maxima:
             return []
         self.checks += 1
         flags = []
@@ -211,7 +212,7 @@ class HeadroomMonitor(Feature):
 
     # ------------------------------------------------------------------------------------------- the details
 
-    def review(self, ctx: EngineContext, pending: Sequence[Frame]) -> None:
+    def review(self, ctx: EngineContext, pending: Sequence[Frame]) -> Report | None:
         """A flag tripped and nothing is inf/nan: read the numbers, and warn about what came close."""
         where: dict[int, tuple[Frame, Entry]] = {}
         for frame in pending:
@@ -232,6 +233,7 @@ class HeadroomMonitor(Feature):
             frame, entry = where[id(measurement)]
             findings += self._judge_underflow(frame, entry, measurement, row)
         self._record(findings)
+        return None
 
     def _judge_max(self, frame: Frame, entry: Entry, measurement: Measurement, value: float) -> list[Finding]:
         own = limits_of(measurement.dtype) if measurement.dtype is not None else None

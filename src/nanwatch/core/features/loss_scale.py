@@ -37,6 +37,7 @@ import torch
 
 from nanwatch.core.events import EngineContext, Feature, OptimizerStage, Phase
 from nanwatch.core.frames import Direction, Frame
+from nanwatch.core.optimizers import skips_this_step
 from nanwatch.core.report import Report, ReportSection
 from nanwatch.errors import LossScaleBelowFloor
 
@@ -290,8 +291,7 @@ class LossScaleMonitor:
         `found_inf` means it will skip the update itself. Overflows still unconfirmed now were not skipped: the
         first of them becomes the detection raised at the next check.
         """
-        found_inf = getattr(optimizer, "found_inf", None) if optimizer is not None else None
-        if isinstance(found_inf, torch.Tensor) and bool(found_inf.sum() > 0):  # one sync, on AMP's fused path only
+        if skips_this_step(optimizer):
             for overflow in self.overflows:
                 overflow.skipped = True
             self._applying = False

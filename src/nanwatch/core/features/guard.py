@@ -1,0 +1,123 @@
+"""The guard: before each optimizer step, are the gradients about to be applied finite?
+
+One fused reduction over them (`torch._foreach_norm(grads, inf)`: the largest magnitude of each, inf or nan as soon as
+one value is), launched when the step is about to run, and read with the check's single host read. The gradients are
+read from the optimizer's param groups at step time, so a parameter unfrozen after watching began is guarded too.
+Under a `GradScaler`, a step the scaler skips never reaches the guard (a plain optimizer is not called; a fused one
+is called with `found_inf` set, and the guard leaves it alone).
+
+In a distributed run this is also where ranks meet without a collective of nanwatch's own: DDP (and FSDP) reduce
+the gradients across ranks before the step, so a nan that appears on any rank makes every rank's gradients
+non-finite, and every rank's guard sees it at the same step (core/ranks.py).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from nanwatch.core.events import EngineContext, Feature, OptimizerStage
+from nanwatch.core.frames import Frame
+from nanwatch.core.optimizers import gradients_to_apply, skips_this_step
+from nanwatch.core.report import Report, ReportSection
+
+__all__ = ["GradientGuard", "MAX_NAMED"]
+
+# Parameters named in a report; the others are counted.
+MAX_NAMED = 5
+
+
+class GradientGuard(Feature):
+    name = "guard"
+
+    def __init__(self) -> None:
+        self._names: dict[int, str] = {}
+        # Launched at the step, read by the next check: the parameters and the largest magnitude of each gradient.
+        self._launched: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
+        self._screened: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
+
+    def attach(self, ctx: EngineContext, modules: Sequence[tuple[str, torch.nn.Module]]) -> None:
+        self._names = {id(param): name for name, param in ctx.model.named_parameters(remove_duplicate=False)}
+
+    def on_optimizer_step(
+        self, ctx: EngineContext, stage: OptimizerStage, optimizer: torch.optim.Optimizer | None
+    ) -> None:
+        if stage != "before" or optimizer is None or ctx.disabled_reason is not None or skips_this_step(optimizer):
+            return
+        pairs = gradients_to_apply(optimizer)
+        if pairs:
+            params = [param for param, _ in pairs]
+            self._launched = (params, _largest_magnitudes([grad for _, grad in pairs]))
+
+    def screen(
+        self, ctx: EngineContext, pending: Sequence[Frame], maxima: Mapping[tuple[Any, Any], torch.Tensor]
+    ) -> list[torch.Tensor]:
+        launched, self._launched = self._launched, None
+        self._screened = launched
+        if launched is None:
+            return []
+        return [torch.isfinite(torch.stack(values)).all() for values in _groups(launched[1]).values()]
+
+    def review(self, ctx: EngineContext, pending: Sequence[Frame]) -> Report | None:
+        screened, self._screened = self._screened, None
+        if screened is None:
+            return None
+        params, magnitudes = screened
+        values = [0.0] * len(magnitudes)
+        for indices in _group_indices(magnitudes).values():  # one transfer per device and dtype
+            for index, value in zip(indices, torch.stack([magnitudes[i] for i in indices]).tolist(), strict=True):
+                values[index] = float(value)
+        named = [
+            (self._name(param, index), value) for index, (param, value) in enumerate(zip(params, values, strict=True))
+        ]
+        bad = [(name, value) for name, value in named if not math.isfinite(value)]
+        if not bad:
+            return None
+        shown = ", ".join(f"{name} {_word(value)}" for name, value in bad[:MAX_NAMED])
+        more = f" and {len(bad) - MAX_NAMED} more" if len(bad) > MAX_NAMED else ""
+        line = (
+            f"non-finite gradients about to be applied by optimizer step {ctx.optimizer_step}: {shown}{more} "
+            f"({len(bad)} of {len(params)} parameters); the step did not run"
+        )
+        data = {
+            "parameters": [{"name": name, "value": _word(value)} for name, value in bad[:MAX_NAMED]],
+            "non_finite": len(bad),
+            "of": len(params),
+        }
+        owner = bad[0][0].rpartition(".")[0]
+        return ctx.gradient_report(ReportSection("gradients", 5, (line,), data, bad), owner)
+
+    def _name(self, param: torch.Tensor, index: int) -> str:
+        return self._names.get(id(param), f"(parameter {index} of the optimizer, outside the watched model)")
+
+
+def _largest_magnitudes(grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The largest |value| of each gradient, as 0-d device tensors (inf or nan when any value is); no host sync."""
+    dense = [grad for grad in grads if grad.layout is torch.strided and type(grad) is torch.Tensor]
+    found = dict(zip(map(id, dense), torch._foreach_norm(dense, math.inf), strict=True)) if dense else {}
+    out = []
+    for grad in grads:
+        value = found.get(id(grad))
+        if value is None:  # sparse, or a tensor subclass: reduced on its own
+            data = grad.coalesce().values() if grad.is_sparse else grad
+            value = data.abs().amax() if data.numel() else torch.zeros((), device=grad.device)
+        out.append(value)
+    return out
+
+
+def _group_indices(values: list[torch.Tensor]) -> dict[tuple[torch.device, torch.dtype], list[int]]:
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for index, value in enumerate(values):
+        groups.setdefault((value.device, value.dtype), []).append(index)
+    return groups
+
+
+def _groups(values: list[torch.Tensor]) -> dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]:
+    return {key: [values[i] for i in indices] for key, indices in _group_indices(values).items()}
+
+
+def _word(value: float) -> str:
+    return "nan" if math.isnan(value) else "inf"
