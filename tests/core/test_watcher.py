@@ -12,7 +12,7 @@ from torch import nn
 import nanwatch.core.features.headroom
 import nanwatch.core.stats.measure
 import nanwatch.core.watcher
-from nanwatch import BatchLimitReached, NanwatchWarning, NonFiniteError, WatchConfig
+from nanwatch import BatchLimitReached, ConfigError, NanwatchWarning, NonFiniteError, WatchConfig
 from nanwatch.core.frames import ResolvedFrame, resolve
 from nanwatch.core.watcher import Watcher
 
@@ -254,17 +254,39 @@ def test_abort_after_batch_num() -> None:
     assert isinstance(info.value, ValueError)
 
 
-def test_publish_survives_an_unwritable_report_dir(tmp_path: Path, nanwatch_log: pytest.LogCaptureFixture) -> None:
+def test_a_report_dir_nanwatch_cannot_use_is_an_error_at_attach(tmp_path: Path) -> None:
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("a file where the report directory should be")
     model = nn.Sequential(Scale(math.inf))
-    watcher = Watcher(model, WatchConfig(report_dir=blocker))
+    for report_dir, message in ((blocker, "is a file, not a folder"), (blocker / "reports", "cannot be created")):
+        watcher = Watcher(model, WatchConfig(report_dir=report_dir))
+        with pytest.raises(ConfigError, match=message):
+            watcher.attach()
+        assert not watcher.attached
+        assert _our_hook_count(model) == 0
+    with pytest.raises(ConfigError, match="report_dir.*NUL byte"):
+        WatchConfig.from_dict({"report_dir": "reports\x00x"})
+
+
+def test_a_report_that_cannot_be_written_is_still_logged_and_raised(
+    tmp_path: Path, nanwatch_log: pytest.LogCaptureFixture
+) -> None:
+    report_dir = tmp_path / "reports"
+    model = nn.Sequential(Scale(math.inf))
+    watcher = Watcher(model, WatchConfig(report_dir=report_dir))
     watcher.attach()
+    report_dir.rmdir()
+    report_dir.write_text("a file where the report directory was")  # the folder went away after attach
     model(torch.ones(1))
-    with pytest.raises(NonFiniteError):  # the detection is still raised: a full disk must not hide it
-        watcher.end_batch()
-    assert any("could not write the report" in r.getMessage() for r in nanwatch_log.records)
-    assert any("Detected inf/nan during batch_number=0" in r.getMessage() for r in nanwatch_log.records)
+    with pytest.warns(NanwatchWarning, match="could not write the report"), pytest.raises(NonFiniteError) as info:
+        watcher.end_batch()  # the detection is still raised: a full disk must not hide it
+    assert info.value.report.startswith("Detected inf/nan during batch_number=0")
+    messages = [r.getMessage() for r in nanwatch_log.records]
+    logged = next(i for i, m in enumerate(messages) if "Detected inf/nan during batch_number=0" in m)
+    warned = next(i for i, m in enumerate(messages) if "could not write the report" in m)
+    assert logged < warned  # logged before any file is tried
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["reports"]  # no temporary file left behind
+    watcher.close(check=False)
 
 
 # --------------------------------------------------------------------------- parameters changed between batches

@@ -22,6 +22,8 @@ __all__ = [
     "add_phase_hook",
     "real_optimizer",
     "close_when_forward_raises",
+    "check_model",
+    "check_optimizer",
 ]
 
 
@@ -31,6 +33,25 @@ def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
     while isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
         model = model.module
     return model
+
+
+def check_model(model: object, caller: str) -> torch.nn.Module:
+    """`model`, if nanwatch can hook it; else a one-line `TypeError` that says what was given and what to do."""
+    if isinstance(model, torch.jit.ScriptModule):
+        raise TypeError(
+            f"{caller} cannot watch a torch.jit.ScriptModule: scripted modules run no Python hooks. Watch the module "
+            "before scripting it (or use torch.compile, which keeps them)"
+        )
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"{caller} needs a torch.nn.Module, got {type(model).__name__}")
+    return model
+
+
+def check_optimizer(optimizer: object, caller: str) -> None:
+    """A one-line `TypeError` unless `optimizer` is a torch optimizer (or a framework's wrapper of one)."""
+    if not isinstance(getattr(optimizer, "optimizer", optimizer), torch.optim.Optimizer):
+        hint = " (the optimizer itself, not model.parameters())" if hasattr(optimizer, "__next__") else ""
+        raise TypeError(f"{caller} needs optimizer= a torch.optim.Optimizer{hint}, got {type(optimizer).__name__}")
 
 
 def real_optimizer(optimizer: Any) -> torch.optim.Optimizer:

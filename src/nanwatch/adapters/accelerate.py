@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from nanwatch.adapters._common import add_phase_hook, guard_optimizers, stop_on_error
+from nanwatch.adapters._common import add_phase_hook, check_model, guard_optimizers, stop_on_error
 from nanwatch.core.config import WatchConfig, resolve_config
 from nanwatch.core.features.loss_scale import scaler_of
 from nanwatch.core.features.summary import Summary
@@ -97,13 +97,13 @@ class OverflowTracker(GeneralTracker):  # type: ignore[misc]
         if self.watcher is not None and self.watcher.attached:
             raise RuntimeError("nanwatch: OverflowTracker is already attached; call detach() first")
         self._accelerator = accelerator
-        root = accelerator.unwrap_model(model, keep_torch_compile=False)
+        root = accelerator.unwrap_model(check_model(model, "OverflowTracker.attach()"), keep_torch_compile=False)
         watcher = Watcher(root, self.config, rank=accelerator.process_index, world_size=accelerator.num_processes)
         if self._pending_state is not None:
             watcher.load_state_dict(self._pending_state)
             self._pending_state = None
         if self._user_epoch is not None:
-            watcher.epoch = self._user_epoch
+            watcher.set_counters(epoch=self._user_epoch)
         # Trackers log on the main process only: the other ranks never read the summary back.
         watcher.summary_sink = self._send_summary if accelerator.is_main_process else None
         watcher.attach()
@@ -117,7 +117,7 @@ class OverflowTracker(GeneralTracker):  # type: ignore[misc]
             optimizers = [optimizers]
         guard_optimizers(watcher, optimizers, run=lambda action: stop_on_error(watcher, action))
         if optimizers and watcher.optimizer_step is None:
-            watcher.optimizer_step = 0
+            watcher.set_counters(optimizer_step=0)
         scaler = scaler_of(accelerator)  # None unless fp16 runs on a device Accelerate builds a GradScaler for
         if scaler is not None:
             watcher.watch_scaler(scaler)  # its first reading, at the counters just set
@@ -158,7 +158,7 @@ class OverflowTracker(GeneralTracker):  # type: ignore[misc]
         """Say which epoch runs now (replaces the epoch read from the prepared dataloader)."""
         self._user_epoch = epoch
         if self.watcher is not None:
-            self.watcher.epoch = epoch
+            self.watcher.set_counters(epoch=epoch)
 
     def state_dict(self) -> dict[str, Any]:
         """The counters, so `accelerator.register_for_checkpointing(tracker)` keeps them across a resume."""

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from nanwatch.adapters._common import add_phase_hook, guard_optimizers, unwrap_model
+from nanwatch.adapters._common import add_phase_hook, check_model, check_optimizer, guard_optimizers, unwrap_model
 from nanwatch.core.config import WatchConfig, resolve_config
 from nanwatch.core.features.loss_scale import GradScalerLike
 from nanwatch.core.watcher import Watcher
@@ -35,18 +35,24 @@ class WatchHandle:
         optimizer: torch.optim.Optimizer | None = None,
         scaler: GradScalerLike | None = None,
     ) -> None:
-        self.model = unwrap_model(model)
+        self.model = unwrap_model(check_model(model, "watch()"))
+        if optimizer is not None:
+            check_optimizer(optimizer, "watch()")
         self.watcher = Watcher(self.model, config)
         if scaler is not None:  # before attach: a bad scaler raises with no hook left behind
             self.watcher.watch_scaler(scaler, read_scale="when_settled")
-        self.watcher.attach()
-        # Registered after the watcher's own hooks, so on the root they run after its frame was recorded.
-        add_phase_hook(self.watcher, self.model, self._before_top_forward)
-        self.watcher.hooks.add_forward(self.model, self._after_top_forward)
         self._closed = False
         self._scale_unread = False  # a micro-batch ended; the scaler's verdict on its step is not read yet
-        if optimizer is not None:
-            self.guard(optimizer)
+        try:
+            self.watcher.attach()
+            # Registered after the watcher's own hooks, so on the root they run after its frame was recorded.
+            add_phase_hook(self.watcher, self.model, self._before_top_forward)
+            self.watcher.hooks.add_forward(self.model, self._after_top_forward)
+            if optimizer is not None:
+                self.guard(optimizer)
+        except BaseException:
+            self.watcher.close(check=False)  # a watch() that failed leaves nothing attached
+            raise
 
     @property
     def config(self) -> WatchConfig:
@@ -67,7 +73,7 @@ class WatchHandle:
 
     @epoch.setter
     def epoch(self, value: int | None) -> None:
-        self.watcher.epoch = value
+        self.watcher.set_counters(epoch=value)
 
     def _before_top_forward(self, module: torch.nn.Module, args: tuple[Any, ...]) -> None:
         if module.training:
@@ -83,8 +89,9 @@ class WatchHandle:
 
     def guard(self, optimizer: torch.optim.Optimizer) -> None:
         """Check (and agree across ranks) before each `optimizer.step()`; raise there so the step never runs."""
+        check_optimizer(optimizer, "guard()")
         if self.watcher.optimizer_step is None:
-            self.watcher.optimizer_step = 0
+            self.watcher.set_counters(optimizer_step=0)
         guard_optimizers(self.watcher, [optimizer])
 
     def step(self) -> None:
@@ -156,7 +163,10 @@ class WatchHandle:
     ) -> None:
         if exc_type is not None:
             # Never hide the user's exception: log what we saw, remove the hooks, and let it propagate.
-            self.close()
+            try:
+                self.close()
+            except Exception as error:  # ours would replace theirs: it is only logged
+                self.watcher.logger.warning(f"nanwatch could not close cleanly after {exc!r}: {error!r}")
             return
         if self._closed:
             return

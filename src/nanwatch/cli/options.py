@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import difflib
-import json
 import re
 import textwrap
 import types
@@ -32,11 +31,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin
 
-import yaml
 from pydantic import ValidationError
 from pydantic.fields import FieldInfo
 
-from nanwatch.core.config import ConfigError, WatchConfig
+from nanwatch.core.config import ConfigError, WatchConfig, echo, read_config_file
 
 __all__ = [
     "ConfigOption",
@@ -244,7 +242,7 @@ def _resolve(args: argparse.Namespace) -> ToolConfig:
     namespace = vars(args)
     base: WatchConfig = namespace.get(_DEFAULTS_DEST) or WatchConfig()
     path = namespace.get(_FILE_DEST)
-    from_file = _read_mapping(Path(path)) if path is not None else {}
+    from_file = read_config_file(path) if path is not None else {}
     given = {key[len(_DEST_PREFIX) :]: value for key, value in namespace.items() if key.startswith(_DEST_PREFIX)}
     # One validation of the merged values, so that a rule across fields (capture_on_detect needs report_dir) may be
     # met by the file and the line together.
@@ -261,30 +259,6 @@ def _check_fields(names: Collection[str]) -> None:
         raise ValueError(f"not WatchConfig fields: {', '.join(unknown)} (known: {', '.join(WatchConfig.model_fields)})")
 
 
-def _read_mapping(path: Path) -> dict[str, Any]:
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as error:
-        raise ConfigError(f"cannot read config file {str(path)!r}: {error.strerror or error}") from error
-    suffix = path.suffix.lower()
-    try:
-        if suffix == ".json":
-            data = json.loads(text) if text.strip() else {}
-        elif suffix in {".yaml", ".yml"}:
-            data = yaml.safe_load(text)
-        else:
-            raise ConfigError(f"config file {str(path)!r}: expected a .yaml, .yml or .json file, got {suffix!r}")
-    except (yaml.YAMLError, json.JSONDecodeError) as error:
-        raise ConfigError(f"config file {str(path)!r} is not valid {suffix[1:].upper()}: {error}") from error
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError(
-            f"config file {str(path)!r}: expected a mapping of WatchConfig fields, got {type(data).__name__}"
-        )
-    return data
-
-
 def _explain(error: ValidationError, given: Mapping[str, Any], file_source: str) -> str:
     """Say where each bad value came from: an option on the line, the config file, or their combination."""
     problems = []
@@ -299,9 +273,9 @@ def _explain(error: ValidationError, given: Mapping[str, Any], file_source: str)
         elif field is None:
             problems.append(f"the combined config (defaults, file, options): {message}")
         elif field in given:
-            problems.append(f"option {_flag(field)}: {message} (got {item.get('input')!r})")
+            problems.append(f"option {_flag(field)}: {message} (got {echo(item.get('input'))})")
         else:
-            problems.append(f"{file_source}: field {field!r}: {message} (got {item.get('input')!r})")
+            problems.append(f"{file_source}: field {field!r}: {message} (got {echo(item.get('input'))})")
     return "; ".join(problems)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import difflib
 import json
 import math
+import reprlib
 from pathlib import Path
 from typing import Any, Literal
 
@@ -13,7 +14,15 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from nanwatch.errors import ConfigError
 
-__all__ = ["WatchConfig", "ConfigError", "resolve_config"]
+__all__ = ["WatchConfig", "ConfigError", "resolve_config", "read_config_file", "echo", "MAX_FRAMES"]
+
+# The most frames a report may show: nanwatch keeps that many at all times, whatever the loop does.
+MAX_FRAMES = 10_000
+# Echoed inputs are cut to this many characters: a message must fit on a screen, whatever was passed in.
+_ECHO = 120
+# A config is a handful of fields: a document of more values than this (YAML aliases can nest a small file into
+# billions of them) is refused before anything walks it.
+_MAX_VALUES = 10_000
 
 
 class WatchConfig(BaseModel):
@@ -26,7 +35,11 @@ class WatchConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
 
     max_frames_to_save: int = Field(
-        21, ge=1, description="How many frames the report shows, ending at the first inf/nan."
+        21,
+        ge=1,
+        le=MAX_FRAMES,
+        description=f"How many frames the report shows, ending at the first inf/nan. 1 to {MAX_FRAMES}: a longer "
+        "story is a trace (trace_batch_nums).",
     )
     trace_batch_nums: list[int] = Field(
         default_factory=list, description="0-indexed batch numbers whose every frame is logged as it happens."
@@ -187,6 +200,13 @@ class WatchConfig(BaseModel):
             raise ValueError(f"expected a positive, finite loss scale or null, got {value!r}")
         return value
 
+    @field_validator("report_dir")
+    @classmethod
+    def _a_usable_path(cls, value: Path | None) -> Path | None:
+        if value is not None and "\x00" in str(value):
+            raise ValueError("a path cannot contain a NUL byte")
+        return value
+
     @model_validator(mode="after")
     def _capture_needs_report_dir(self) -> WatchConfig:
         if self.capture_on_detect and self.report_dir is None:
@@ -215,6 +235,11 @@ class WatchConfig(BaseModel):
         """Build a config from a mapping; unknown keys and bad values raise `ConfigError` naming the field."""
         if not isinstance(data, dict):
             raise ConfigError(f"{source}: expected a mapping of WatchConfig fields, got {type(data).__name__}")
+        if _too_many_values(data):
+            raise ConfigError(
+                f"{source}: holds more than {_MAX_VALUES} values (YAML anchors and aliases nested into each other?); "
+                "a config is a handful of fields"
+            )
         try:
             return cls.model_validate(data)
         except ValidationError as error:
@@ -225,29 +250,52 @@ class WatchConfig(BaseModel):
         """Read a config from a `.yaml`/`.yml` or `.json` file.
 
         Raises:
-            ConfigError: the file is missing, unreadable, not a mapping, or holds an unknown key or a bad value.
+            ConfigError: the file is missing, unreadable, not UTF-8, not a mapping, or holds an unknown key or a bad
+                value.
         """
-        path = Path(path)
-        try:
-            text = path.read_text(encoding="utf-8")
-        except OSError as error:
-            raise ConfigError(f"cannot read config file {str(path)!r}: {error.strerror or error}") from error
-        try:
-            if path.suffix.lower() == ".json":
-                data = json.loads(text) if text.strip() else {}
-            elif path.suffix.lower() in {".yaml", ".yml"}:
-                data = yaml.safe_load(text) or {}
-            else:
-                raise ConfigError(f"config file {str(path)!r}: expected a .yaml, .yml or .json file")
-        except (yaml.YAMLError, json.JSONDecodeError) as error:
-            raise ConfigError(f"config file {str(path)!r} is not valid {path.suffix[1:].upper()}: {error}") from error
-        return cls.from_dict(data, source=f"config file {str(path)!r}")
+        return cls.from_dict(read_config_file(path), source=f"config file {str(Path(path))!r}")
 
     def with_overrides(self, **overrides: Any) -> WatchConfig:
         """Return a copy with some fields replaced, validated like any other input."""
         if not overrides:
             return self
         return WatchConfig.from_dict({**self.model_dump(), **overrides}, source="overrides")
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """The mapping a `.yaml`/`.yml` or `.json` config file holds (empty for an empty file), not yet validated.
+
+    Raises:
+        ConfigError: the file is missing or unreadable, not UTF-8 text, not YAML/JSON, not a mapping, or far too big.
+    """
+    path = Path(path)
+    shown = repr(str(path))
+    suffix = path.suffix.lower()
+    if suffix not in {".json", ".yaml", ".yml"}:
+        raise ConfigError(f"config file {shown}: expected a .yaml, .yml or .json file, got {suffix or 'no suffix'!r}")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as error:
+        raise ConfigError(f"cannot read config file {shown}: {error.strerror or error}") from None
+    except UnicodeDecodeError as error:
+        raise ConfigError(
+            f"config file {shown} is not UTF-8 text (byte {error.start} is {error.object[error.start]:#04x}); "
+            "expected a YAML or JSON file"
+        ) from None
+    try:
+        data = (json.loads(text) if text.strip() else None) if suffix == ".json" else yaml.safe_load(text)
+    except (yaml.YAMLError, json.JSONDecodeError) as error:
+        raise ConfigError(f"config file {shown} is not valid {suffix[1:].upper()}: {_short(str(error), 300)}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {shown}: expected a mapping of WatchConfig fields, got {type(data).__name__}")
+    if _too_many_values(data):
+        raise ConfigError(
+            f"config file {shown} holds more than {_MAX_VALUES} values (YAML anchors and aliases nested into each "
+            "other?); a config is a handful of fields"
+        )
+    return data
 
 
 def _describe(error: ValidationError, source: str) -> str:
@@ -260,8 +308,39 @@ def _describe(error: ValidationError, source: str) -> str:
             hint = f"did you mean {near[0]!r}? " if near else ""
             problems.append(f"unknown field {field!r} ({hint}known fields: {known})")
         else:
-            problems.append(f"field {field!r}: {item['msg']} (got {item.get('input')!r})")
+            problems.append(f"field {field!r}: {item['msg']} (got {echo(item.get('input'))})")
     return f"{source}: " + "; ".join(problems)
+
+
+def echo(value: object) -> str:
+    """A received value as a message shows it: its repr, cut short (a shared YAML alias can be enormous)."""
+    return _short(_REPR.repr(value), _ECHO)
+
+
+_REPR = reprlib.Repr()  # attributes set one by one: Python 3.10 and 3.11 take no keywords here
+_REPR.maxlevel, _REPR.maxlist, _REPR.maxdict, _REPR.maxstring, _REPR.maxother = 2, 6, 6, 60, 60
+
+
+def _short(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _too_many_values(data: object) -> bool:
+    """Whether `data` holds more than `_MAX_VALUES` values, counting shared (aliased) containers each time they
+    appear, as validation would walk them; stops counting as soon as it knows."""
+    budget = _MAX_VALUES
+    stack = [data]
+    while stack:
+        value = stack.pop()
+        budget -= 1
+        if budget < 0:
+            return True
+        if isinstance(value, dict):
+            stack.extend(value.keys())
+            stack.extend(value.values())
+        elif isinstance(value, (list, tuple)):
+            stack.extend(value)
+    return False
 
 
 def resolve_config(config: WatchConfig | dict[str, Any] | str | Path | None, **overrides: Any) -> WatchConfig:

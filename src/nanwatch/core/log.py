@@ -39,6 +39,7 @@ def get_logger() -> logging.Logger:
         handler = _CurrentStderrHandler()
         handler.setFormatter(logging.Formatter("%(message)s"))
         logger.addHandler(handler)
-        logger.setLevel(logging.INFO)
         logger.propagate = False
+        if logger.level == logging.NOTSET:  # a level the user set stays theirs
+            logger.setLevel(logging.INFO)
     return logger

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import operator
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal, NoReturn, TypeVar
@@ -22,7 +23,7 @@ from nanwatch.core.features import features_for
 from nanwatch.core.features.headroom import HeadroomMonitor
 from nanwatch.core.features.loss_scale import GradScalerLike, LossScaleFeature, LossScaleMonitor
 from nanwatch.core.features.summary import Summary, SummaryFeature
-from nanwatch.core.formats.files import write_report
+from nanwatch.core.formats.files import prepare_report_dir, write_report
 from nanwatch.core.frames import Entry, Frame, FrameRing, Role, resolve
 from nanwatch.core.hooks import HookSet, named_unique_modules
 from nanwatch.core.log import get_logger
@@ -36,8 +37,9 @@ from nanwatch.errors import BatchLimitReached, NanwatchError, NanwatchWarning, N
 __all__ = ["Watcher", "PHASES", "KEEP"]
 
 PHASES: tuple[Phase, ...] = ("train", "eval")
-# A loop that never ends its batches would grow the pending frames without bound; past this many, check and commit.
-_MAX_PENDING_FRAMES = 100_000
+# A loop that never ends its batches would grow the pending frames without bound; past this many (a few tens of MB),
+# they are checked and moved into the ring (a host read mid-batch, which a loop that ends its batches never pays).
+_MAX_PENDING_FRAMES = 20_000
 # Labels built once rather than formatted at every module call.
 _INPUT_LABELS = tuple(f"input[{index}]" for index in range(16))
 _ITEM_SUFFIXES = tuple(f"[{index}]" for index in range(16))
@@ -112,6 +114,8 @@ class Watcher:
         """
         if len(self._hooks):
             raise RuntimeError("nanwatch: hooks are already attached; call close() first")
+        if self.config.report_dir is not None:
+            prepare_report_dir(self.config.report_dir)  # a bad one is an error now, not a lost report later
         candidates = modules if modules is not None else named_unique_modules(self.model)
         # Scope is decided here, once: a module left out gets no hook and costs nothing.
         selected = select_modules(candidates, self.config.include_modules, self.config.exclude_modules)
@@ -258,10 +262,10 @@ class Watcher:
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.batch_number = int(state["batch_number"])
-        self.eval_batch_number = int(state.get("eval_batch_number", 0))
-        self.optimizer_step = state.get("optimizer_step")
-        self.epoch = state.get("epoch")
+        self.batch_number = self._counter("batch_number", state["batch_number"]) or 0
+        self.eval_batch_number = self._counter("eval_batch_number", state.get("eval_batch_number", 0)) or 0
+        self.optimizer_step = self._counter("optimizer_step", state.get("optimizer_step"))
+        self.epoch = self._counter("epoch", state.get("epoch"))
         self._update_tracing()
 
     # ------------------------------------------------------------------------------------------ what to read
@@ -543,19 +547,34 @@ class Watcher:
     # --------------------------------------------------------------------------------------- report, raise
 
     def _publish(self, report: Report) -> None:
-        """Write the report to `report_dir` (first: it must be on disk before anything raises), then log it."""
-        text = report.to_text()
+        """Log the report, then write it to `report_dir`, before anything raises. Nothing here may stop the
+        detection from being raised: a failure is warned about, and the rest goes on."""
+        self.logger.error("\n" + self._text(report) + "\n")
         if self.config.report_dir is not None:
             try:
                 write_report(self.config.report_dir, report)
-            except OSError as error:
-                self.logger.warning(f"nanwatch could not write the report to {self.config.report_dir}: {error}")
-        self.logger.error("\n" + text + "\n")
-        if report.phase == "train":
-            missed = self._schedule.missed_note(report.batch_number)
-            if missed is not None:
-                self.logger.warning(missed)
+            except Exception as error:  # a full disk, or a bug in a format: the log has the report already
+                self._warn(f"nanwatch could not write the report to {self.config.report_dir}: {error!r}")
+        try:
+            missed = self._schedule.missed_note(report.batch_number) if report.phase == "train" else None
+        except Exception as error:
+            missed = None
+            self._disable(f"working out which batches went unwatched failed: {error!r}")
+        if missed is not None:
+            self.logger.warning(missed)
         self._dispatch("on_publish", report)
+
+    def _text(self, report: Report) -> str:
+        """The report's text; if rendering it fails (a bug of ours), its header and why, so nothing is lost."""
+        try:
+            return report.to_text()
+        except Exception as error:
+            self._disable(f"rendering the report failed: {error!r}")
+            return f"{report.header} (nanwatch could not render its frames: {error!r})"
+
+    def _warn(self, message: str) -> None:
+        self.logger.warning(message)
+        warnings.warn(message, NanwatchWarning, stacklevel=3)
 
     def _raise_detection(self, local: Report | None, agreed: Detection) -> NoReturn:
         """Raise `NonFiniteError`: the same on every rank, for the detecting rank and batch `agreed` names."""
@@ -578,7 +597,7 @@ class Watcher:
             batch_number=agreed.batch_number,
             rank=agreed.rank,
             module_name=module_name,
-            report=mine.to_text() if mine is not None else "",
+            report=self._text(mine) if mine is not None else "",
             optimizer_step=self.optimizer_step,
             epoch=self.epoch,
             phase=phase,
@@ -587,31 +606,51 @@ class Watcher:
 
     # ------------------------------------------------------------------------------------------ bookkeeping
 
+    def set_counters(self, *, optimizer_step: int | None | _Keep = KEEP, epoch: int | None | _Keep = KEEP) -> None:
+        """The framework's counters as they are now (numpy integers and 0-d tensors are taken as ints)."""
+        self._set_counters(optimizer_step, epoch)
+
     def _set_counters(self, optimizer_step: int | None | _Keep, epoch: int | None | _Keep) -> None:
         if optimizer_step is not KEEP:
-            self.optimizer_step = optimizer_step
+            self.optimizer_step = self._counter("optimizer_step", optimizer_step)
         if epoch is not KEEP:
-            self.epoch = epoch
+            self.epoch = self._counter("epoch", epoch)
+
+    def _counter(self, name: str, value: object) -> int | None:
+        """A counter as a plain int: frameworks hand over numpy integers, 0-d tensors, integral floats."""
+        if value is None or (isinstance(value, int) and not isinstance(value, bool)):
+            return value
+        try:
+            if isinstance(value, torch.Tensor):
+                value = value.item()
+            if isinstance(value, float) and value.is_integer():
+                return int(value)
+            return operator.index(value)  # type: ignore[arg-type]
+        except (TypeError, ValueError, RuntimeError):
+            self.logger.warning(f"nanwatch: {name} must be a whole number, got {value!r}; reports leave it out")
+            return None
 
     def _update_tracing(self) -> None:
-        self._tracing = (
-            self._phase == "train"
-            and self.batch_number in self.config.trace_batch_nums
-            and self._ctx.rank_logs(self.config.trace_ranks)
-        )
-        # At batch boundaries and phase changes only: the hooks test one bool, so an unwatched batch costs nothing.
-        watched = self._schedule.watched(self.batch_number) if self._phase == "train" else self.config.watch_eval
+        try:
+            self._tracing = (
+                self._phase == "train"
+                and self.batch_number in self.config.trace_batch_nums
+                and self._ctx.rank_logs(self.config.trace_ranks)
+            )
+            # At batch boundaries and phase changes only: the hooks test one bool, so an unwatched batch costs nothing.
+            watched = self._schedule.watched(self.batch_number) if self._phase == "train" else self.config.watch_eval
+        except Exception as error:  # a bug in deciding what to watch must not end the run
+            self._disable(f"deciding whether to watch batch_number={self.batch_number} failed: {error!r}")
+            return
         self._recording = self._disabled_reason is None and watched
 
     def _disable(self, reason: str) -> None:
         if self._disabled_reason is not None:
             return
         self._disabled_reason = reason
-        self._recording = False
+        self._recording = self._tracing = False
         self._pending.clear()
-        message = f"nanwatch stopped watching (the run goes on): {reason}"
-        self.logger.warning(message)
-        warnings.warn(message, NanwatchWarning, stacklevel=3)
+        self._warn(f"nanwatch stopped watching (the run goes on): {reason}")
 
     def _dispatch(self, event: str, *args: Any) -> None:
         """Run one event on every feature. nanwatch's own errors (a detection, the loss scale's floor) propagate;

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import nanwatch
-from nanwatch import ConfigError, NonFiniteError, WatchConfig
+from nanwatch import ConfigError, NanwatchWarning, NonFiniteError, WatchConfig
 from nanwatch.core.features.capture import ReplayCapture
 from nanwatch.core.formats.replay_file import load_replay_file, replay_file_name
 from nanwatch.core.watcher import Watcher
@@ -136,15 +136,18 @@ def test_a_forward_that_raised_is_not_saved_as_if_it_had_run(tmp_path: Path, log
 
 
 def test_a_replay_file_that_cannot_be_written_never_hides_the_detection(tmp_path: Path, log: _Records) -> None:
-    blocker = tmp_path / "not-a-dir"
-    blocker.write_text("a file where report_dir should be a directory\n")
+    report_dir = tmp_path / "reports"
     model = TinyNet()
-    handle = nanwatch.watch(model, capture_on_detect=True, report_dir=blocker / "reports")
+    handle = nanwatch.watch(model, capture_on_detect=True, report_dir=report_dir)
+    report_dir.rmdir()  # taken away after watching began (a folder on a volume that went away, say) ...
+    report_dir.write_text("a file where report_dir should be a folder\n")  # ... and a file in its place
     model(torch.full((4, 8), HUGE))
-    with pytest.raises(NonFiniteError):
+    with pytest.warns(NanwatchWarning, match="could not write the report"), pytest.raises(NonFiniteError) as info:
         handle.step()
     handle.close()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["not-a-dir"]  # no half-written or temporary file
+    assert info.value.report.startswith("Detected inf/nan during batch_number=0")  # the report is in the error
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["reports"]  # no half-written or temporary file
+    assert report_dir.read_text() == "a file where report_dir should be a folder\n"
     assert any("could not write the replay file" in message for message in log.messages)
 
 

@@ -86,6 +86,30 @@ class Summary:
         return "\n".join(lines)
 
 
+# Frames of one batch held for its summary before they are folded into numbers (a few MB of references).
+_MAX_HELD = 8192
+
+
+def _merge(first: Summary | None, second: Summary) -> Summary:
+    """The summary of both: per module, the larger value (nan first), and the first class name seen."""
+    if first is None:
+        return second
+
+    def larger(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
+        merged = dict(a)
+        for name, value in b.items():
+            merged[name] = max(merged.get(name, value), value, key=_order_key)
+        return merged
+
+    others = {metric: larger(first.others.get(metric, {}), values) for metric, values in second.others.items()}
+    return Summary(
+        second.batch_number,
+        larger(first.absmax, second.absmax),
+        {**second.class_names, **first.class_names},
+        {**first.others, **others},
+    )
+
+
 def _order_key(value: float) -> float:
     # nan sorts above everything, so a summary never hides it behind a finite maximum.
     return math.inf if math.isnan(value) else value
@@ -103,6 +127,9 @@ class SummaryFeature(Feature):
     def __init__(self, every: int | None) -> None:
         self.every = every
         self._frames: list[Frame] = []
+        # Past `_MAX_HELD` frames of one batch (a loop that never ends its batches), the held frames are read back
+        # and folded into these numbers, so memory stays bounded whatever the loop does.
+        self._folded: Summary | None = None
         self._batch = -1
         self._sent_batch: int | None = None
         # Where a due summary goes; the engine logs it by default, adapters send it to their framework (or nowhere).
@@ -122,26 +149,32 @@ class SummaryFeature(Feature):
 
     def _take(self, batch_number: int, frames: Sequence[Frame]) -> None:
         if batch_number > self._batch:
-            self._frames = []
+            self._frames, self._folded = [], None
             self._batch = batch_number
         if batch_number == self._batch:
             self._frames.extend(frames)
+            if len(self._frames) > _MAX_HELD:
+                self._folded = _merge(self._folded, self._summarise(self._frames))
+                self._frames = []
 
     @property
     def batch_number(self) -> int | None:
         """The training batch whose frames are held, or None before any."""
-        return self._batch if self._frames else None
+        return self._batch if self._frames or self._folded is not None else None
 
     def summary(self) -> Summary | None:
         """The summary of the latest training batch checked clean (reads its numbers back), or None before any."""
-        if not self._frames:
+        if self.batch_number is None:
             return None
+        return _merge(self._folded, self._summarise(self._frames))
+
+    def _summarise(self, frames: Sequence[Frame]) -> Summary:
         lead = registry.lead()
         others = [s for s in registry.extras() if s.summary_metric is not None]
         absmax: dict[str, float] = {}
         class_names: dict[str, str] = {}
         other_values: dict[str, dict[str, float]] = {}
-        for frame in resolve(self._frames):
+        for frame in resolve(frames):
             # Forward lines only: gradient lines (watch_gradients) of a batch are checked at different points in each
             # adapter, and their scale is not the activations'.
             if frame.direction is not Direction.FORWARD:

@@ -8,6 +8,7 @@ decides which batches are traced, and on which ranks (`trace_ranks`); this featu
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import replace
 from typing import Any
 
@@ -20,6 +21,7 @@ from nanwatch.core.frames import Frame, ResolvedEntry, ResolvedFrame, resolve
 from nanwatch.core.report import TABLE_HEADER, format_batch_start, format_frame
 from nanwatch.core.stats import registry
 from nanwatch.core.walk import call_leaves
+from nanwatch.errors import NanwatchWarning
 
 __all__ = ["TraceFeature"]
 
@@ -30,6 +32,7 @@ class TraceFeature(Feature):
     def __init__(self) -> None:
         self._batch: int | None = None  # the batch whose header was written
         self._frames = 0  # frames traced in it
+        self._files_failed = False  # a write to report_dir failed: the trace goes on in the log only
 
     def on_frame(
         self, ctx: EngineContext, frame: Frame, module: torch.nn.Module, args: tuple[Any, ...], output: Any
@@ -45,18 +48,25 @@ class TraceFeature(Feature):
         text = "\n".join(lines)
         ctx.logger.info(text)
         report_dir = ctx.config.report_dir
-        if report_dir is not None:
-            append_trace(report_dir, ctx.rank, text)
-            resolved = _measure_traced(resolved, module, args, output)
-            records = trace_records(
-                resolved,
-                frame_index=self._frames,
-                rank=ctx.rank,
-                world_size=ctx.world_size,
-                optimizer_step=ctx.optimizer_step,
-                epoch=ctx.epoch,
-            )
-            append_trace_records(report_dir, ctx.rank, records)
+        if report_dir is not None and not self._files_failed:
+            try:
+                append_trace(report_dir, ctx.rank, text)
+                resolved = _measure_traced(resolved, module, args, output)
+                records = trace_records(
+                    resolved,
+                    frame_index=self._frames,
+                    rank=ctx.rank,
+                    world_size=ctx.world_size,
+                    optimizer_step=ctx.optimizer_step,
+                    epoch=ctx.epoch,
+                )
+                append_trace_records(report_dir, ctx.rank, records)
+            except (OSError, ValueError) as error:  # a full disk, a quota, a file where the folder was
+                # Writing stops; watching does not: a trace file is never worth missing the inf/nan it leads to.
+                self._files_failed = True
+                message = f"nanwatch stopped writing the trace to {report_dir} (watching goes on): {error}"
+                ctx.logger.warning(message)
+                warnings.warn(message, NanwatchWarning, stacklevel=2)
         self._frames += 1
 
     def on_batch_end(self, ctx: EngineContext, phase: Phase, batch_number: int) -> None:

@@ -8,8 +8,17 @@ from pathlib import Path
 
 from nanwatch.core.formats.jsonl import LineRecord, dumps, report_records
 from nanwatch.core.report import Report
+from nanwatch.errors import ConfigError
 
-__all__ = ["write_report", "report_stem", "append_trace", "append_trace_records", "atomic_write", "trace_paths"]
+__all__ = [
+    "write_report",
+    "report_stem",
+    "append_trace",
+    "append_trace_records",
+    "atomic_write",
+    "trace_paths",
+    "prepare_report_dir",
+]
 
 
 def atomic_write(path: Path, text: str) -> None:
@@ -22,6 +31,23 @@ def atomic_write(path: Path, text: str) -> None:
     finally:
         with contextlib.suppress(OSError):
             tmp.unlink(missing_ok=True)
+
+
+def prepare_report_dir(report_dir: Path) -> None:
+    """Create `report_dir` (and its parents) now, so that a path nanwatch cannot write to is an error at attach,
+    not a lost report later.
+
+    Raises:
+        ConfigError: the path names a file, or a folder on the way cannot be created or written to.
+    """
+    try:
+        report_dir.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise ConfigError(f"report_dir {str(report_dir)!r} is a file, not a folder; give a folder path") from None
+    except OSError as error:
+        raise ConfigError(f"report_dir {str(report_dir)!r} cannot be created: {error.strerror or error}") from None
+    if not os.access(report_dir, os.W_OK | os.X_OK):
+        raise ConfigError(f"report_dir {str(report_dir)!r} is not writable by this process")
 
 
 def report_stem(rank: int, batch_number: int, phase: str) -> str:

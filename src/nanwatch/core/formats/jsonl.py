@@ -370,7 +370,12 @@ def read_records(path: str | Path) -> list[LineRecord]:
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as error:
-        raise JsonlError(f"cannot read {str(path)!r}: {error.strerror or error}") from error
+        raise JsonlError(f"cannot read {str(path)!r}: {error.strerror or error}") from None
+    except UnicodeDecodeError as error:
+        raise JsonlError(
+            f"{path} is not UTF-8 text (byte {error.start} is {error.object[error.start]:#04x}); expected a .jsonl "
+            "file written by nanwatch (nanwatch-report-*.jsonl or nanwatch-trace-*.jsonl in report_dir)"
+        ) from None
     records = []
     for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():

@@ -31,6 +31,7 @@ __all__ = [
 ]
 
 _RANGE = lead().range_kernel()
+_WIDENED = frozenset(getattr(torch, name) for name in ("uint16", "uint32") if hasattr(torch, name))
 
 
 @dataclass(slots=True)
@@ -104,16 +105,23 @@ def _measure_range(tensor: torch.Tensor) -> Measurement:
     if dtype in ABS_KEEPS_DTYPE:
         abs_min, abs_max = _RANGE(data)
         return Measurement(abs_min, abs_max, dtype, shape)
-    if dtype is torch.bool:
-        magnitude = data.to(torch.uint8)
-    elif dtype in FLOAT8_DTYPES:
-        # float8 has no reduction kernels; every float8 value is exact in float32.
-        magnitude = data.float().abs_()
-    elif data.is_quantized:
-        magnitude = data.dequantize().abs()
-    else:  # complex: abs() is the (real) magnitude
-        magnitude = data.abs()
-    abs_min, abs_max = torch.aminmax(magnitude)
+    try:
+        if dtype is torch.bool:
+            magnitude = data.to(torch.uint8)
+        elif dtype in FLOAT8_DTYPES:
+            # float8 has no reduction kernels; every float8 value is exact in float32.
+            magnitude = data.float().abs_()
+        elif data.is_quantized:
+            magnitude = data.dequantize().abs()
+        elif dtype in _WIDENED:
+            # uint16/uint32 have no reduction kernels on the CPU; their values are exact in int64 (and already >= 0).
+            magnitude = data.to(torch.int64)
+        else:  # complex: abs() is the (real) magnitude
+            magnitude = data.abs()
+        abs_min, abs_max = torch.aminmax(magnitude)
+    except (NotImplementedError, RuntimeError, TypeError):
+        # A dtype torch cannot reduce here (uint64, an exotic subclass): marked, never a reason to stop watching.
+        return Measurement(None, None, dtype, shape, skipped=f"{str(dtype).replace('torch.', '')} not measured")
     return Measurement(abs_min, abs_max, dtype, shape)
 
 
