@@ -1,9 +1,10 @@
-"""What the per-micro-batch collective costs: `agree_on_detection` timed on 2 gloo processes on the CPU.
+"""What distributed agreement costs per micro-batch: one look at the process group's store, on 2 gloo processes.
 
-Every adapter runs one `agree_on_detection` (one all-reduce of one int64) per training micro-batch, so that every
-rank learns of a detection at the same point. This starts `--world-size` processes with the gloo backend, warms up,
-then times `--calls` back-to-back calls on each rank and prints the per-call figure (the slowest rank's mean and
-median). A plain `dist.all_reduce` of the same one-element tensor is timed too, as the floor.
+nanwatch runs no collective of its own. Each rank asks the store, once per training micro-batch (as it starts) and at
+each optimizer step, whether another rank posted a detection (`DetectionBoard.posted_elsewhere`, one round trip).
+This starts `--world-size` processes with the gloo backend, warms up, then times `--calls` back-to-back looks on each
+rank and prints the per-call figure (the slowest rank's mean and median). For comparison it times a plain
+`dist.all_reduce` of a one-element tensor: what nanwatch paid per micro-batch before.
 
     python benchmarks/agree_cost.py                    # 2 processes, 1000 calls
     python benchmarks/agree_cost.py --calls 5000 --world-size 2
@@ -24,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from nanwatch.core.ranks import agree_on_detection
+from nanwatch.core.ranks import DetectionBoard
 
 
 def _free_port() -> int:
@@ -50,10 +51,12 @@ def _worker(rank: int, world_size: int, port: int, calls: int, results: Any) -> 
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
         flag = torch.zeros(1, dtype=torch.int64)
-        for _ in range(100):  # warm-up: connections, allocator
-            agree_on_detection(None, rank, world_size)
+        board = DetectionBoard.for_this_run(rank, world_size, wait_s=10.0)
+        assert board is not None
+        for _ in range(100):  # warm-up: connections
+            board.posted_elsewhere()
         dist.barrier()
-        agree = _time_calls(lambda: agree_on_detection(None, rank, world_size), calls)
+        agree = _time_calls(board.posted_elsewhere, calls)
         dist.barrier()
         floor = _time_calls(lambda: dist.all_reduce(flag, op=dist.ReduceOp.MIN), calls)
         results[rank] = (agree, floor)
@@ -80,8 +83,8 @@ def main(argv: list[str] | None = None) -> None:
     agree_mean, agree_median = figures(0)
     floor_mean, floor_median = figures(1)
     print(f"{args.world_size} gloo processes on the CPU, {args.calls} calls each (torch {torch.__version__})")
-    print(f"agree_on_detection: mean {agree_mean:.0f} us, median {agree_median:.0f} us per call")
-    print(f"bare all_reduce:    mean {floor_mean:.0f} us, median {floor_median:.0f} us per call")
+    print(f"store look (posted_elsewhere): mean {agree_mean:.0f} us, median {agree_median:.0f} us per call")
+    print(f"all_reduce of one int64:       mean {floor_mean:.0f} us, median {floor_median:.0f} us per call")
 
 
 if __name__ == "__main__":

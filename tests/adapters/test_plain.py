@@ -106,6 +106,35 @@ class UserError(Exception):
     pass
 
 
+def test_an_optimizer_that_is_not_one_is_a_type_error_and_leaves_no_hook() -> None:
+    # Before: the model's hooks were attached first, then the optimizer refused, and the hooks stayed behind.
+    model = _model()
+    for wrong in (model.parameters(), list(model.parameters())):
+        with pytest.raises(TypeError, match="optimizer= a torch.optim.Optimizer") as info:
+            watch(model, optimizer=wrong)  # type: ignore[arg-type]
+        assert "\n" not in str(info.value)
+        assert _hook_count(model) == 0
+    with pytest.raises(TypeError, match=r"the optimizer itself, not model.parameters\(\)"):
+        watch(model, optimizer=model.parameters())  # type: ignore[arg-type]
+    with watch(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1)) as handle:  # the model is watchable
+        model(torch.randn(2, 4))
+        handle.step()
+    assert _hook_count(model) == 0
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
+def test_what_cannot_be_watched_is_a_one_line_type_error_saying_what_to_do() -> None:
+    # Before: AttributeError ('str' object has no attribute 'named_modules') and RuntimeError from torch.jit.
+    with pytest.raises(TypeError, match=r"^watch\(\) needs a torch.nn.Module, got str$"):
+        watch("not a model")  # type: ignore[arg-type]
+    scripted = torch.jit.script(_model())
+    with pytest.raises(TypeError, match="cannot watch a torch.jit.ScriptModule") as info:
+        watch(scripted)
+    assert "Watch the module before scripting it" in str(info.value)
+    assert "\n" not in str(info.value)
+    assert _hook_count(scripted) == 0
+
+
 def test_a_forward_that_raises_propagates_the_same_exception_and_hooks_are_removed() -> None:
     class Failing(nn.Module):
         def __init__(self, error: Exception) -> None:
@@ -492,6 +521,52 @@ def test_bool_int_complex_and_float8_tensors_get_lines() -> None:
     assert lines["output[2]"] == f"{0.5 * math.sqrt(2):8.2e} {4 * math.sqrt(2):8.2e} output[2]"
     assert lines["output[3]"] == "5.00e-01 4.00e+00 output[3]"
     assert lines["output[4]"] == "5.00e-01 4.00e+00 output[4]"
+
+
+class Cast(nn.Module):
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.dtype = dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.to(self.dtype)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "line"),
+    [
+        (torch.uint16, "3.00e+00 6.55e+04 output"),
+        (torch.uint32, "3.00e+00 4.29e+09 output"),
+        (torch.uint64, "uint64 not measured output"),
+    ],
+    ids=["uint16", "uint32", "uint64"],
+)
+def test_wide_unsigned_outputs_keep_watching_on(dtype: torch.dtype, line: str) -> None:
+    # Before: measuring them raised NotImplementedError, and watching stopped (a NanwatchWarning, an error here).
+    top = 2**32 - 1 if dtype is torch.uint32 else 2**16 - 1  # uint64's own maximum is no int64
+    scale = Scale()
+    model = nn.Sequential(Cast(dtype), Cast(torch.float32), scale)
+    x = torch.tensor([3, top])
+    with watch(model) as handle:
+        for _ in range(3):
+            model(x)
+            lines = _lines(handle, "0")
+            handle.step()
+        assert lines["output"] == line
+        cast = [frame for frame in _frames(handle) if frame.module_name == "0"][-1]
+        output = next(entry for entry in cast.entries if entry.label == "output")
+        if dtype is torch.uint64:
+            assert (output.abs_min, output.abs_max, output.note) == (None, None, "uint64 not measured")
+        else:
+            assert (output.abs_min, output.abs_max) == (3, top)  # exact, not a float's rounding of them
+        scale.factor = math.inf  # a later float module goes inf: still found
+        model(x)
+        with pytest.raises(NonFiniteError) as info:
+            handle.step()
+        assert handle.watcher.disabled_reason is None
+    assert info.value.module_name == "2"
+    assert info.value.batch_number == 3
+    assert f"\n{line}\n" in info.value.report
 
 
 def test_inf_in_a_float8_output_is_detected() -> None:

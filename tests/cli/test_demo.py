@@ -7,7 +7,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from nanwatch.cli import SUBCOMMAND_MODULES, build_parser
+import pytest
+
+from nanwatch.cli import SUBCOMMAND_MODULES, build_parser, main
 from nanwatch.cli.demo import run_demo
 from nanwatch.core.config import WatchConfig
 
@@ -58,3 +60,17 @@ def test_demo_stops_before_the_step_that_would_apply_inf() -> None:
 def test_demo_parser_takes_config_fields() -> None:
     args = build_parser().parse_args(["demo", "--max-frames-to-save", "3", "--steps", "5"])
     assert args.steps == 5
+
+
+def test_a_bad_config_ends_demo_with_exit_2_and_no_traceback(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    latin = tmp_path / "latin.yaml"
+    latin.write_bytes(b"report_dir: caf\xe9\n")
+    for argv in (["demo", "--config", str(latin)], ["demo", "--max-frames-to-save", "0"]):
+        with pytest.raises(SystemExit) as info:
+            main(argv)
+        assert info.value.code == 2
+        err = capsys.readouterr().err
+        assert "Traceback" not in err
+        assert err.strip().splitlines()[-1].startswith("nanwatch demo: error: ")

@@ -283,3 +283,18 @@ def test_diff_rejects_a_typo_in_the_config_and_says_what_it_does_not_use(
     status, _, err = _diff([f"{trace}:0", f"{trace}:1", "--max-frames-to-save", "3"], capsys)
     assert status == 0
     assert err == "nanwatch diff: note: --max-frames-to-save is not used by diff (see nanwatch diff --help)\n"
+
+
+def test_a_file_that_is_not_utf8_is_one_error_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # Before: UnicodeDecodeError and a traceback.
+    run_amp_net(tmp_path, overflow_at=None, batches=1)
+    trace = trace_path(tmp_path)
+    binary = tmp_path / "copied-wrong.jsonl"
+    binary.write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR\xff\xfe\x00")
+    for a, b in ((trace, binary), (binary, trace)):
+        status, out, err = _diff([f"{a}:0", f"{b}:0"], capsys)
+        assert (status, out) == (2, "")
+        assert err.splitlines() == [
+            f"nanwatch diff: error: {binary} is not UTF-8 text (byte 0 is 0x89); expected a .jsonl file written by "
+            "nanwatch (nanwatch-report-*.jsonl or nanwatch-trace-*.jsonl in report_dir)"
+        ]

@@ -303,3 +303,18 @@ def test_plot_rejects_a_typo_in_the_config_and_conflicting_dtypes(
     assert main(["plot", str(trace_path(tmp_path)), "-o", str(png), "--include-modules", "nothing.*"]) == 2
     assert "include_modules: the pattern 'nothing.*' matches none of the 5 modules" in capsys.readouterr().err
     assert not png.exists()
+
+
+def test_a_file_that_is_not_utf8_is_one_error_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # Before: UnicodeDecodeError and a traceback.
+    binary = tmp_path / "nanwatch-trace-rank0.jsonl"
+    binary.write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR\xff\xfe\x00")
+    png = tmp_path / "heatmap.png"
+    assert main(["plot", str(binary), "-o", str(png)]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.splitlines() == [
+        f"nanwatch plot: error: {binary} is not UTF-8 text (byte 0 is 0x89); expected a .jsonl file written by "
+        "nanwatch (nanwatch-report-*.jsonl or nanwatch-trace-*.jsonl in report_dir)"
+    ]
+    assert not png.exists()

@@ -165,3 +165,37 @@ def test_show_rejects_a_typo_in_the_config_and_a_pattern_that_matches_nothing(
     assert "did you mean 'fc2', 'fc1'?" in err
     assert main(["show", trace, "--exclude-modules", "*"]) == 2
     assert "leave none of the 5 modules" in capsys.readouterr().err
+
+
+BINARY = b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR\xff\xfe\x00"  # the start of a PNG: no text at all
+
+
+def test_a_file_that_is_not_utf8_is_one_error_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # Before: UnicodeDecodeError and a traceback.
+    path = tmp_path / "nanwatch-report-rank0-batch0.jsonl"
+    path.write_bytes(BINARY)
+    status, out, err = _show(str(path), capsys)
+    assert (status, out) == (2, "")
+    assert err.splitlines() == [
+        f"nanwatch show: error: {path} is not UTF-8 text (byte 0 is 0x89); expected a .jsonl file written by nanwatch "
+        "(nanwatch-report-*.jsonl or nanwatch-trace-*.jsonl in report_dir)"
+    ]
+
+
+def test_a_config_file_that_is_not_utf8_ends_the_command_with_one_error_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Before: UnicodeDecodeError and a traceback. The config is read before FILE, so FILE need not exist.
+    config = tmp_path / "watch.yaml"
+    config.write_bytes("max_frames_to_save: 4\ninclude_modules: [écoute]\n".encode("latin-1"))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["show", str(tmp_path / "nanwatch-trace-rank0.jsonl"), "--config", str(config)])
+    assert exit_info.value.code == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    errors = [line for line in err.splitlines() if "error" in line]  # argparse prints its usage lines first
+    assert errors == [
+        f"nanwatch show: error: config file {str(config)!r} is not UTF-8 text (byte 40 is 0xe9); expected a YAML or "
+        "JSON file"
+    ]
+    assert err.startswith("usage: nanwatch show")

@@ -229,3 +229,87 @@ def test_trace_preset_traces_and_stops() -> None:
     text = (CONFIGS / "trace.yaml").read_text()
     for field in yaml.safe_load(text):
         assert re.search(rf"#.*\n{field}:", text), f"trace.yaml: {field} needs a comment above it"
+
+
+# ------------------------------------------------------------------------------------------- hostile config files
+
+
+def _nested_aliases() -> str:
+    """A "billion laughs": each list holds 9 aliases of the one before, so about 330 bytes of YAML stand for 9**9
+    (387 million) strings once aliases are followed."""
+    names = "abcdefghi"
+    lines = ["a: &a [" + ",".join("x" * 9) + "]"]
+    pairs = zip(names[:-1], names[1:], strict=True)
+    lines += [f"{name}: &{name} [" + ",".join([f"*{before}"] * 9) + "]" for before, name in pairs]
+    lines.append("max_frames_to_save: *i")
+    return "\n".join(lines) + "\n"
+
+
+def test_a_yaml_file_of_nested_aliases_is_refused_in_a_short_message(tmp_path: Path) -> None:
+    # Before: validating (and echoing) the expanded document ran out of memory or never ended.
+    path = tmp_path / "laughs.yaml"
+    path.write_text(_nested_aliases())
+    assert path.stat().st_size < 400
+    for load in (lambda: WatchConfig.from_file(path), lambda: nanwatch.watch(torch.nn.Linear(1, 1), path)):
+        with pytest.raises(ConfigError, match="holds more than 10000 values") as info:
+            load()
+        message = str(info.value)
+        assert len(message) < 500
+        assert "\n" not in message
+        assert str(path) in message
+        assert "anchors and aliases" in message
+
+
+def test_a_huge_nested_bad_value_is_echoed_cut_short(tmp_path: Path) -> None:
+    # 40 x 40 strings of 200 characters: few enough values to be validated, a repr of over 300 kB.
+    huge = [["y" * 200] * 40] * 40
+    with pytest.raises(ConfigError, match="field 'max_frames_to_save'") as info:
+        WatchConfig.from_dict({"max_frames_to_save": huge})
+    message = str(info.value)
+    assert len(message) < 500
+    assert "(got [['yyyy" in message  # the value is still shown, from its start ...
+    assert message.endswith("...)")  # ... and cut, saying so
+
+    # The same through a small YAML file whose aliases expand to that value.
+    row = "[&s " + '"' + "y" * 200 + '"' + ", *s" * 39 + "]"
+    path = tmp_path / "wide.yaml"
+    path.write_text("max_frames_to_save: [&row " + row + ", *row" * 39 + "]\n")
+    with pytest.raises(ConfigError, match="field 'max_frames_to_save'") as info:
+        WatchConfig.from_file(path)
+    assert len(str(info.value)) < 500
+    assert str(path) in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "byte"),
+    [
+        ("binary.yaml", b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR\xff\xfe", "byte 0 is 0x89"),
+        ("latin1.yaml", "report_dir: résultats\n".encode("latin-1"), "byte 13 is 0xe9"),
+        ("latin1.json", '{"report_dir": "résultats"}'.encode("latin-1"), "byte 17 is 0xe9"),
+    ],
+    ids=["binary", "latin-1-yaml", "latin-1-json"],
+)
+def test_a_file_that_is_not_utf8_is_a_one_line_config_error(
+    tmp_path: Path, name: str, content: bytes, byte: str
+) -> None:
+    # Before: UnicodeDecodeError, a traceback that named no file.
+    path = tmp_path / name
+    path.write_bytes(content)
+    for load in (lambda: WatchConfig.from_file(path), lambda: nanwatch.watch(torch.nn.Linear(1, 1), path)):
+        with pytest.raises(ConfigError, match="is not UTF-8 text") as info:
+            load()
+        message = str(info.value)
+        assert "\n" not in message
+        assert str(path) in message
+        assert byte in message
+
+
+@pytest.mark.parametrize("value", [10**9, 10**30], ids=["1e9", "1e30"])
+def test_max_frames_to_save_beyond_its_limit_is_a_config_error(value: int) -> None:
+    # Before: 10**9 was taken (and every report would try to hold that many frames); 10**30 ended in OverflowError.
+    expected = r"field 'max_frames_to_save': Input should be less than or equal to 10000"
+    with pytest.raises(ConfigError, match=expected):
+        WatchConfig.from_dict({"max_frames_to_save": value})
+    with pytest.raises(ConfigError, match=expected):
+        nanwatch.watch(torch.nn.Linear(1, 1), max_frames_to_save=value)
+    assert WatchConfig(max_frames_to_save=10_000).max_frames_to_save == 10_000  # the limit itself is allowed

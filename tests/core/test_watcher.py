@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -10,6 +11,8 @@ import torch
 from torch import nn
 
 import nanwatch.core.features.headroom
+import nanwatch.core.report
+import nanwatch.core.scope
 import nanwatch.core.stats.measure
 import nanwatch.core.watcher
 from nanwatch import BatchLimitReached, ConfigError, NanwatchWarning, NonFiniteError, WatchConfig
@@ -435,3 +438,72 @@ def test_a_failure_in_checking_disables_watching(monkeypatch: pytest.MonkeyPatch
         watcher.end_batch()
     assert watcher.batch_number == 1
     assert watcher.disabled_reason is not None
+
+
+# ------------------------------------------------------------------------------------- nanwatch's own failures
+
+
+def test_numpy_and_tensor_counters_reach_the_report_as_whole_numbers(tmp_path: Path) -> None:
+    # Before: a numpy int64 epoch made publish() raise TypeError before logging: no report anywhere.
+    numpy = pytest.importorskip("numpy")
+    model = nn.Sequential(Scale(math.inf))
+    watcher = Watcher(model, WatchConfig(report_dir=tmp_path))
+    watcher.attach()
+    watcher.set_counters(epoch=numpy.int64(3), optimizer_step=torch.tensor(7))
+    model(torch.ones(1))
+    with pytest.raises(NonFiniteError) as info:
+        watcher.end_batch()
+    watcher.close(check=False)
+    assert (info.value.epoch, info.value.optimizer_step) == (3, 7)
+    document = json.loads((tmp_path / "nanwatch-report-rank0-batch0.json").read_text())
+    assert (document["epoch"], document["optimizer_step"]) == (3, 7)
+
+
+def test_a_counter_that_is_no_number_is_left_out_not_fatal(nanwatch_log: pytest.LogCaptureFixture) -> None:
+    watcher = Watcher(nn.Sequential(nn.Identity()), WatchConfig())
+    watcher.set_counters(epoch="one")  # type: ignore[arg-type]
+    assert watcher.epoch is None
+    assert any("epoch must be a whole number, got 'one'" in r.getMessage() for r in nanwatch_log.records)
+
+
+@pytest.mark.parametrize("broken", ["to_text", "write_report"])
+def test_a_bug_on_the_publish_path_still_ends_in_the_error_with_its_report(
+    broken: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    def bug(*args: object, **kwargs: object) -> None:
+        raise RuntimeError(f"simulated bug in {broken}")
+
+    if broken == "to_text":
+        monkeypatch.setattr(nanwatch.core.report.Report, "to_text", bug)
+    else:
+        monkeypatch.setattr(nanwatch.core.watcher, "write_report", bug)
+    model = nn.Sequential(Scale(math.inf))
+    watcher = Watcher(model, WatchConfig(report_dir=tmp_path))
+    watcher.attach()
+    model(torch.ones(1))
+    with pytest.warns(NanwatchWarning, match=f"simulated bug in {broken}"), pytest.raises(NonFiniteError) as info:
+        watcher.end_batch()
+    watcher.close(check=False)
+    assert info.value.report.startswith("Detected inf/nan during batch_number=0")
+    assert info.value.module_name == "0"
+
+
+def test_a_bug_in_deciding_what_to_watch_disables_watching_and_the_run_goes_on(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    model = _model()
+    watcher = Watcher(model, WatchConfig(watch_every_n_batches=2))
+    watcher.attach()
+    model(torch.randn(2, 4))
+
+    def bug(self: object, batch_number: int) -> bool:
+        raise RuntimeError("simulated bug in BatchSchedule.watched")
+
+    monkeypatch.setattr(nanwatch.core.scope.BatchSchedule, "watched", bug)
+    with pytest.warns(NanwatchWarning, match="simulated bug in BatchSchedule.watched"):
+        watcher.end_batch()
+    assert watcher.disabled_reason is not None
+    model(torch.randn(2, 4))
+    watcher.end_batch()  # the run goes on
+    assert watcher.batch_number == 2
+    watcher.close(check=False)

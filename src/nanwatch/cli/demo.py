@@ -64,7 +64,7 @@ def run_demo(config: WatchConfig, *, steps: int = 50, learning_rate: float = 0.0
 
 
 def _run(args: argparse.Namespace) -> int:
-    config = config_from_args(args)
+    config = config_from_args(args, args.parser)
     stopped_at = run_demo(config, steps=args.steps, learning_rate=args.lr)
     return 0 if stopped_at is not None else 1
 
@@ -79,4 +79,4 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--lr", type=float, default=0.01, help="learning rate (default: 0.01)")
     # --config FILE and one option per WatchConfig field; the demo shows a shorter report by default.
     add_config_arguments(parser, defaults={"max_frames_to_save": 8})
-    parser.set_defaults(func=_run)
+    parser.set_defaults(func=_run, parser=parser)

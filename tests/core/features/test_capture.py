@@ -5,8 +5,10 @@ The replay of these files (`nanwatch replay`) is tested end to end in tests/test
 
 from __future__ import annotations
 
+import gc
 import logging
 import sys
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -123,6 +125,32 @@ def test_an_eval_forward_without_watch_eval_does_not_replace_the_training_copy(t
     model.train()
     _publish(watcher)
     assert load_replay_file(tmp_path / replay_file_name(0, 0))["args"][0].shape == (4, 8)
+
+
+def test_close_lets_go_of_the_copied_weights_and_inputs(tmp_path: Path) -> None:
+    # A closed handle stays referenced by the user's code: the copies it held (a model's worth of weights) must not.
+    model = TinyNet()
+    handle = nanwatch.watch(model, capture_on_detect=True, report_dir=tmp_path)
+    (capture,) = (f for f in handle.watcher._features if isinstance(f, ReplayCapture))
+    inputs, scale = torch.ones(4, 8), torch.full((16,), 2.0)
+    model(inputs, scale=scale)
+    handle.step()
+    # The feature holds copies, not the caller's tensors: follow the copies of what was passed in, and of a weight.
+    copies = [
+        weakref.ref(capture._args[0]),
+        weakref.ref(capture._kwargs["scale"]),
+        weakref.ref(capture._parameters["head.weight"]),
+        weakref.ref(capture._buffers["norm.running_mean"]),
+    ]
+    passed_in = [weakref.ref(inputs), weakref.ref(scale)]
+    del inputs, scale
+    gc.collect()
+    assert all(ref() is not None for ref in copies)  # held while watching, so the check below can fail
+    handle.close()
+    gc.collect()
+    assert [ref() for ref in copies] == [None] * len(copies)
+    assert [ref() for ref in passed_in] == [None] * len(passed_in)  # nor does anything else keep what was passed in
+    assert capture.label is None
 
 
 def test_a_forward_that_raised_is_not_saved_as_if_it_had_run(tmp_path: Path, log: _Records) -> None:

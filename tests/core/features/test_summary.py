@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from nanwatch import WatchConfig
-from nanwatch.core.features.summary import Summary
+from nanwatch.core.features.summary import Summary, SummaryFeature
 from nanwatch.core.frames import Direction
 from nanwatch.core.watcher import Watcher
 
@@ -214,3 +214,57 @@ def test_gradient_lines_are_left_out() -> None:
     assert summary.absmax[""] == amax(x, out)
     assert summary.max_value is not None
     assert summary.max_value < 1e3
+
+
+class Three(torch.nn.Module):
+    """Three parameterless leaves, one per input: each leaf's abs max comes from its own input alone."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = torch.nn.Identity(), torch.nn.Identity(), torch.nn.Identity()
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.a(x) + self.b(y) + self.c(z)
+        return out
+
+
+# The most frames held in a batch that never ends: the engine checks and commits past 20_000 pending frames, and the
+# summary folds the frames it holds into numbers past 8192.
+PENDING_CAP, SUMMARY_CAP = 20_000, 8192
+
+
+def test_a_batch_that_never_ends_holds_a_bounded_number_of_frames_and_its_summary_stays_exact() -> None:
+    # Before: 100_000 frames could be pending and the summary held every frame of the batch.
+    model = Three()
+    watcher = Watcher(model, WatchConfig())
+    watcher.attach()
+    forwards = 10_100  # 4 frames each: two commits past the cap (at frames 20_001 and 40_002), 398 frames left over
+    spikes = {3: ("x", 300.0), 6_000: ("y", -200.0), forwards - 1: ("z", 100.0)}  # first commit, second, left over
+    expected: dict[str, float] = {}
+    for step in range(forwards):
+        small = (step % 97) * 0.01
+        inputs = {"x": torch.full((2,), small), "y": torch.full((2,), -small), "z": torch.full((2,), small / 2)}
+        if step in spikes:
+            name, value = spikes[step]
+            inputs[name] = torch.full((2,), value)
+        out = model(inputs["x"], inputs["y"], inputs["z"])
+        for module, tensors in (("a", [inputs["x"]]), ("b", [inputs["y"]]), ("c", [inputs["z"]])):
+            expected[module] = max(expected.get(module, 0.0), amax(*tensors))
+        expected[""] = max(expected.get("", 0.0), amax(*inputs.values(), out))
+
+    feature = watcher._feature(SummaryFeature)
+    held = [len(watcher._pending), len(watcher._ring), len(feature._frames)]
+    assert held[0] < PENDING_CAP
+    assert held[1] <= watcher.config.max_frames_to_save
+    assert held[2] <= SUMMARY_CAP
+    assert sum(held) < PENDING_CAP + SUMMARY_CAP + watcher.config.max_frames_to_save
+
+    watcher.end_batch()  # the batch ends at last: its summary covers every forward, folded or held
+    assert len(feature._frames) <= SUMMARY_CAP
+    summary = watcher.summary()
+    watcher.close(check=False)
+    assert summary is not None
+    assert summary.batch_number == 0
+    assert summary.absmax == {"a": 300.0, "b": 200.0, "c": 100.0, "": expected[""]}
+    assert summary.absmax == expected  # the same numbers, worked out forward by forward
+    assert summary.class_names == {"a": "Identity", "b": "Identity", "c": "Identity", "": "Three"}

@@ -149,6 +149,34 @@ def test_unmeasurable_tensors_are_skipped_with_a_reason(tensor: torch.Tensor, re
     assert _line(tensor, "weight") == f"{reason:>17} weight"
 
 
+@pytest.mark.parametrize("dtype", [torch.uint16, torch.uint32], ids=str)
+def test_wide_unsigned_integers_are_measured_exactly(dtype: torch.dtype) -> None:
+    # Before: NotImplementedError ("abs_cpu" not implemented for 'UInt16'), which stopped the watching.
+    top = torch.iinfo(dtype).max
+    tensor = torch.tensor([[7, top], [12, 40000]]).to(dtype)  # built from int64: the dtypes have few CPU kernels
+    m = measure(tensor)
+    assert m.skipped is None
+    assert m.abs_min is not None
+    assert m.abs_max is not None
+    assert (m.abs_min.item(), m.abs_max.item()) == (7, top)  # every uint32 fits int64 exactly
+    assert m.dtype == dtype
+    assert m.shape == (2, 2)
+    assert _line(tensor) == f"7.00e+00 {float(top):8.2e} x"
+    assert not find_non_finite([Frame("m", "M", 0, entries=[Entry("x", Role.INPUT, m)])])
+
+
+def test_uint64_is_marked_not_measured() -> None:
+    # No kernel reduces uint64 on the CPU, and its values do not all fit int64: a note, never an error.
+    tensor = torch.tensor([1, 2**62]).to(torch.uint64)
+    m = measure(tensor)
+    assert m.skipped == "uint64 not measured"
+    assert m.abs_min is None
+    assert m.abs_max is None
+    assert m.dtype == torch.uint64
+    assert _line(tensor, "output") == "uint64 not measured output"
+    assert not find_non_finite([Frame("m", "M", 0, entries=[Entry("x", Role.INPUT, m)])])
+
+
 @pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors:UserWarning")
 def test_nested_tensor_is_measured_over_all_its_components() -> None:
     # An eval-mode nn.TransformerEncoder with a padding mask passes nested tensors between its layers.

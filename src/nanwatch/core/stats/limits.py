@@ -48,7 +48,9 @@ def limits_of(dtype: torch.dtype) -> Limits | None:
         info = torch.finfo(dtype)
     except TypeError:  # a float8 variant finfo does not describe
         return None
-    ulp_at_max = 2.0 ** math.floor(math.log2(info.max)) * info.eps
+    # The spacing of the dtype's numbers at its max: eps times the power of two just below max (frexp: no 2.0**1024,
+    # which float64's max would need through log2, and which overflows).
+    ulp_at_max = math.ldexp(info.eps, math.frexp(info.max)[1] - 1)
     smallest_subnormal = info.smallest_normal * info.eps
     return Limits(
         dtype=dtype,

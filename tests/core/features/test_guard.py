@@ -1,0 +1,140 @@
+"""core/features/guard.py: before every optimizer step, the gradients about to be applied are checked (one fused
+reduction, read with the check's one host read), whatever the optimizer and whenever a parameter started to learn."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tests.backward_faults import InfInBackward, NanInBackward
+from torch import nn
+
+from nanwatch import NonFiniteError, watch
+from nanwatch.core.features.guard import MAX_NAMED
+
+
+def _weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {name: value.detach().clone() for name, value in model.state_dict().items()}
+
+
+def _same(model: nn.Module, saved: dict[str, torch.Tensor]) -> bool:
+    return all(torch.equal(value, saved[name]) for name, value in model.state_dict().items())
+
+
+def test_a_nan_born_in_backward_never_reaches_the_weights_without_watch_gradients() -> None:
+    # No backward frames are recorded: the guard alone reads the gradients, before the step.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 3), NanInBackward(), nn.Linear(3, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = _weights(model)
+    with watch(model, optimizer=optimizer) as handle:
+        model(torch.ones(2, 3)).sum().backward()
+        with pytest.raises(NonFiniteError) as info:
+            optimizer.step()
+        handle.close()
+    assert _same(model, before)
+    error = info.value
+    assert (error.batch_number, error.module_name) == (0, "0")
+    assert "non-finite gradients about to be applied by optimizer step 0: 0.weight nan, 0.bias nan" in error.report
+    assert "(2 of 4 parameters); the step did not run" in error.report
+
+
+def test_lbfgs_is_checked_after_its_closure_computed_the_gradients() -> None:
+    # optimizer.step(closure): the step pre-hook runs before the closure, when there is nothing to check yet; the
+    # closure is wrapped, so every evaluation it makes is checked before the optimizer uses its gradients.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 3), InfInBackward(), nn.Linear(3, 1))
+    optimizer = torch.optim.LBFGS(model.parameters(), max_iter=3)
+    before = _weights(model)
+    x = torch.ones(2, 3)
+
+    def closure() -> torch.Tensor:
+        optimizer.zero_grad()
+        loss = model(x).sum()
+        loss.backward()
+        return loss
+
+    with watch(model, optimizer=optimizer) as handle:
+        with pytest.raises(NonFiniteError) as info:
+            optimizer.step(closure)
+        handle.close()
+    assert _same(model, before)  # LBFGS never moved the weights
+    assert "0.weight inf" in info.value.report
+
+
+def test_lbfgs_with_a_clean_closure_trains_and_returns_its_loss() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 1))
+    optimizer = torch.optim.LBFGS(model.parameters(), max_iter=2)
+    x, y = torch.randn(8, 3), torch.randn(8, 1)
+    losses = []
+
+    def closure() -> torch.Tensor:
+        optimizer.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        losses.append(loss.item())
+        return loss
+
+    with watch(model, optimizer=optimizer) as handle:
+        returned = optimizer.step(closure)
+        handle.step()
+    assert returned is not None
+    assert float(returned.detach()) == losses[0]  # the wrapped closure hands back what the user's returned
+    assert handle.optimizer_step == 1
+
+
+def test_a_parameter_unfrozen_after_watch_is_guarded() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 3), InfInBackward(), nn.Linear(3, 1))
+    model[0].requires_grad_(False)  # frozen when watching starts ...
+    optimizer = torch.optim.SGD(model[2].parameters(), lr=0.1)
+    with watch(model, optimizer=optimizer) as handle:
+        model[0].requires_grad_(True)  # ... and unfrozen later, into a group of its own
+        optimizer.add_param_group({"params": model[0].parameters()})
+        before = _weights(model)
+        model(torch.ones(2, 3)).sum().backward()
+        with pytest.raises(NonFiniteError) as info:
+            optimizer.step()
+        handle.close()
+    assert _same(model, before)
+    assert "0.weight inf, 0.bias inf" in info.value.report
+
+
+def test_the_report_names_the_first_few_parameters_and_counts_the_rest() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(2, 2) for _ in range(4)], NanInBackward())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with watch(model, optimizer=optimizer) as handle:
+        model(torch.ones(1, 2)).sum().backward()
+        with pytest.raises(NonFiniteError) as info:
+            optimizer.step()
+        handle.close()
+    named = ", ".join(f"{name} nan" for name in ["0.weight", "0.bias", "1.weight", "1.bias", "2.weight"])
+    assert MAX_NAMED == 5
+    assert f": {named} and 3 more (8 of 8 parameters); the step did not run" in info.value.report
+
+
+def test_a_parameter_outside_the_watched_model_is_named_by_its_place_in_the_optimizer() -> None:
+    model = nn.Sequential(nn.Linear(2, 2))
+    extra = nn.Parameter(torch.ones(2))
+    optimizer = torch.optim.SGD([*model.parameters(), extra], lr=0.1)
+    with watch(model, optimizer=optimizer) as handle:
+        (model(torch.ones(1, 2)).sum() + (extra * torch.tensor([1.0, float("nan")])).sum()).backward()
+        with pytest.raises(NonFiniteError) as info:
+            optimizer.step()
+        handle.close()
+    assert "(parameter 2 of the optimizer, outside the watched model) nan (1 of 3 parameters)" in info.value.report
+
+
+def test_the_guard_reads_nothing_back_on_a_clean_step() -> None:
+    # One host read per check is all: the gradients' flags ride on the read the frames need anyway.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with watch(model, optimizer=optimizer) as handle:
+        for _ in range(3):
+            model(torch.ones(2, 3)).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            handle.step()
+    assert handle.optimizer_step == 3
