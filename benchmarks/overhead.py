@@ -53,9 +53,13 @@ from typing import Any
 import torch
 
 import nanwatch
+from nanwatch.adapters import plain as plain_adapter
+from nanwatch.adapters._common import guard_optimizers
 from nanwatch.cli.options import add_config_arguments, config_from_args
+from nanwatch.core.features.sentinel import SentinelFeature
 from nanwatch.core.log import get_logger
 from nanwatch.core.stats import measure as measuring
+from nanwatch.core.watcher import Watcher
 
 # The lead statistic's kernel, as measure() launches it; --floor swaps it around its own variant's steps.
 SHIPPED_RANGE = measuring._RANGE
@@ -90,6 +94,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--each-option", action="store_true", help="also time one variant per option of OPTIONS")
     parser.add_argument("--no-hf", action="store_true", help="leave transformers' DebugUnderflowOverflow out")
+    parser.add_argument("--no-sentinel", action="store_true", help="leave the sentinel and guard-alone variants out")
     parser.add_argument(
         "--floor",
         action="store_true",
@@ -101,6 +106,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="train through a torch.amp.GradScaler (every variant), and give it to nanwatch (scaler=): what AMP "
         "awareness costs",
+    )
+    parser.add_argument(
+        "--model",
+        choices=sorted(WORKLOADS),
+        default="gpt2",
+        help="gpt2: the GPT-2 above (default); convnet: a small conv net with BatchNorm and a functional loss",
     )
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default 2)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
@@ -127,6 +138,76 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 PERIOD = 10  # the longest batch period of OPTIONS; rounds and warm-up are multiples of it
+
+
+class Workload:
+    """A model and its batch: what a training step and an inference step run."""
+
+    def __init__(self, description: str, model: torch.nn.Module) -> None:
+        self.description = description
+        self.model = model
+
+    def train_loss(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    def infer(self) -> None:
+        raise NotImplementedError
+
+
+class GPT2Workload(Workload):
+    def __init__(self, args: argparse.Namespace, device: torch.device) -> None:
+        model = build_model(args.vocab, args.seq, args.seed).to(device)
+        generator = torch.Generator().manual_seed(args.seed)
+        self.input_ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=generator).to(device)
+        parameters = sum(p.numel() for p in model.parameters())
+        super().__init__(
+            f"GPT-2 shape: 4 layers, width 256, 4 heads, vocab {args.vocab}, {parameters / 1e6:.1f}M parameters; "
+            f"batch {args.batch} x sequence {args.seq}",
+            model,
+        )
+
+    def train_loss(self) -> torch.Tensor:
+        loss: torch.Tensor = self.model(self.input_ids, labels=self.input_ids).loss
+        return loss
+
+    def infer(self) -> None:
+        self.model(self.input_ids)
+
+
+class ConvNetWorkload(Workload):
+    """Three conv + BatchNorm + ReLU blocks, average pooling, a linear head; `F.cross_entropy` outside the model."""
+
+    def __init__(self, args: argparse.Namespace, device: torch.device) -> None:
+        from torch import nn
+
+        torch.manual_seed(args.seed)
+        model = nn.Sequential(
+            nn.Conv2d(3, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(),
+            nn.Conv2d(32, 64, 3, stride=2, padding=1), nn.BatchNorm2d(64), nn.ReLU(),
+            nn.Conv2d(64, 64, 3, stride=2, padding=1), nn.BatchNorm2d(64), nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, 10),
+        ).to(device)  # fmt: skip
+        generator = torch.Generator().manual_seed(args.seed)
+        self.images = torch.randn(32, 3, 64, 64, generator=generator).to(device)
+        self.labels = torch.randint(0, 10, (32,), generator=generator).to(device)
+        parameters = sum(p.numel() for p in model.parameters())
+        super().__init__(
+            f"conv net: 3 x (conv, BatchNorm, ReLU), pool, linear; {parameters / 1e3:.0f}k parameters; "
+            "batch 32 x 3 x 64 x 64; F.cross_entropy outside the model",
+            model,
+        )
+
+    def train_loss(self) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(self.model(self.images), self.labels)
+
+    def infer(self) -> None:
+        self.model(self.images)
+
+
+WORKLOADS: dict[str, Callable[[argparse.Namespace, torch.device], Workload]] = {
+    "gpt2": GPT2Workload,
+    "convnet": ConvNetWorkload,
+}
 
 
 def build_model(vocab: int, seq: int, seed: int) -> torch.nn.Module:
@@ -187,7 +268,9 @@ class Variant:
         self.give_scaler = give_scaler  # with --scaler: passed to watch(scaler=), unless this is the variant without
         self.config = config
         self.period = period
-        self.handle: nanwatch.WatchHandle | None = None
+        self.handle: nanwatch.WatchHandle | GuardOnly | None = None
+        self.held_bytes = 0  # what nanwatch kept alive for a replay, at its largest (sentinel mode)
+        self.peak_bytes: dict[str, int] = {}  # CUDA only: peak memory allocated during a step, by mode
         self.hf: Any = None
         self.stash: HookStash | None = None
         self.steps_taken = {"train": 0, "infer": 0}
@@ -203,6 +286,10 @@ class Variant:
             from transformers.debug_utils import DebugUnderflowOverflow
 
             self.hf = self.stash.capture(lambda: DebugUnderflowOverflow(model))  # type: ignore[no-untyped-call]
+        elif self.name == GUARD:
+            assert self.config is not None
+            config = self.config
+            self.handle = self.stash.capture(lambda: GuardOnly(model, config, optimizer))
         else:
             assert self.config is not None
             self.handle = self.stash.capture(
@@ -211,6 +298,10 @@ class Variant:
                 )
             )
         self.stash.take_off()
+        if isinstance(self.handle, nanwatch.WatchHandle):
+            # Several handles share this one model on purpose, each with its hooks on only around its own steps:
+            # the next watch() must not close this one as a handle left behind (adapters/plain.py).
+            plain_adapter._LIVE.discard(self.handle)
 
     def close(self) -> None:
         # nanwatch removes its own hooks (put back first, so its handles find them); transformers' tool cannot
@@ -218,6 +309,12 @@ class Variant:
         if self.handle is not None and self.stash is not None:
             self.stash.put_back()
             self.handle.close()
+
+    def nanwatch_held_bytes(self) -> int:
+        if not isinstance(self.handle, nanwatch.WatchHandle):
+            return 0
+        sentinel = self.handle.watcher._find(SentinelFeature)
+        return 0 if sentinel is None else sentinel.held_bytes()
 
     def problems(self) -> list[str]:
         """A watcher that stopped watching would be timed doing nothing: such figures are worthless."""
@@ -247,17 +344,34 @@ class Variant:
         return statistics.fmean(statistics.median(values) for values in by_position.values())
 
 
+class GuardOnly:
+    """The guard alone: a watcher with no module hook, and the check before every optimizer step (the gradients
+    about to be applied, in one fused reduction and one host read). What every mode pays at least."""
+
+    def __init__(self, model: torch.nn.Module, config: nanwatch.WatchConfig, optimizer: torch.optim.Optimizer) -> None:
+        self.watcher = Watcher(model, config)
+        self.watcher.attach([])
+        guard_optimizers(self.watcher, [optimizer])
+
+    def start(self) -> None:
+        self.watcher.start_batch("train")
+
+    def step(self) -> None:
+        self.watcher.end_batch()
+
+    def close(self) -> None:
+        self.watcher.close()
+
+
 class Bench:
     """The shared model, optimizer and batch; times one step of a variant with only its hooks on the model."""
 
-    def __init__(
-        self, model: torch.nn.Module, input_ids: torch.Tensor, device: torch.device, *, scaler: bool = False
-    ) -> None:
-        self.model = model
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    def __init__(self, workload: Workload, device: torch.device, *, scaler: bool = False) -> None:
+        self.workload = workload
+        self.model = workload.model
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-5)
         # float32 weights and no autocast: the scaler's work (scale, unscale, inf check, update) is all there is.
         self.scaler = torch.amp.GradScaler(device.type) if scaler else None
-        self.input_ids = input_ids
         self.device = device
         self.losses: list[float] = []
 
@@ -272,6 +386,8 @@ class Bench:
             measuring._RANGE = _read_only_range  # type: ignore[assignment]
         try:
             self._sync()
+            if self.device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(self.device)
             start = time.perf_counter()
             if mode == "train":
                 self._train_step(variant)
@@ -279,6 +395,9 @@ class Bench:
                 self._infer_step()
             self._sync()
             seconds = time.perf_counter() - start
+            if self.device.type == "cuda":
+                peak = torch.cuda.max_memory_allocated(self.device)
+                variant.peak_bytes[mode] = max(variant.peak_bytes.get(mode, 0), peak)
         finally:
             measuring._RANGE = SHIPPED_RANGE  # type: ignore[assignment]
             if variant.stash is not None:
@@ -289,12 +408,15 @@ class Bench:
     def _train_step(self, variant: Variant) -> None:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        loss = self.model(self.input_ids, labels=self.input_ids).loss
+        if isinstance(variant.handle, GuardOnly):
+            variant.handle.start()
+        loss = self.workload.train_loss()
+        (loss if self.scaler is None else self.scaler.scale(loss)).backward()
+        # What nanwatch keeps alive for a replay, at its largest: after backward, before the step lets it go.
+        variant.held_bytes = max(variant.held_bytes, variant.nanwatch_held_bytes())
         if self.scaler is None:
-            loss.backward()
             self.optimizer.step()
         else:
-            self.scaler.scale(loss).backward()
             self.scaler.step(self.optimizer)
             self.scaler.update()
         if variant.handle is not None:
@@ -304,7 +426,7 @@ class Bench:
     def _infer_step(self) -> None:
         self.model.eval()
         with torch.no_grad():
-            self.model(self.input_ids)
+            self.workload.infer()
 
 
 class ForeignLoad:
@@ -352,6 +474,9 @@ def run_mode(bench: Bench, variants: list[Variant], mode: str, rounds: int, warm
         }
         if variant.name not in ("none", "hf") and hf > none:
             entry["added_over_added_hf"] = (cost - none) / (hf - none)
+        entry["held_mb"] = variant.held_bytes / 2**20 if mode == "train" else 0.0
+        if mode in variant.peak_bytes:
+            entry["peak_mb"] = variant.peak_bytes[mode] / 2**20
         entry["config"] = None if variant.config is None else variant.config.model_dump(mode="json")
         entry["steps_s"] = [seconds for _index, seconds in variant.times[mode]]
         results["variants"][variant.name] = entry
@@ -361,7 +486,7 @@ def run_mode(bench: Bench, variants: list[Variant], mode: str, rounds: int, warm
 def print_mode(mode: str, results: dict[str, Any], variants: list[Variant], shown_config: dict[str, Any]) -> None:
     rows = results["variants"]
     print(f"\n{mode}: {results['rounds']} rounds; ms per step; x none: cost / none's; paired: median per-round ratio")
-    print(f"{'variant':<22}{'ms':>8}{'x none':>8}{'paired':>8}{'added ms':>10}{'added/hf':>10}  config")
+    print(f"{'variant':<22}{'ms':>8}{'x none':>8}{'paired':>8}{'added ms':>10}{'added/hf':>10}{'kept MB':>9}  config")
     for variant in variants:
         row = rows[variant.name]
         added_hf = row.get("added_over_added_hf")
@@ -370,10 +495,14 @@ def print_mode(mode: str, results: dict[str, Any], variants: list[Variant], show
             config = {key: value for key, value in OPTIONS[variant.name][0].items() if key != "report_dir"}
         elif variant.name == "watch":
             config = shown_config
+        elif variant.name == SENTINEL:
+            config = {"mode": "sentinel"}
+        peak = f" peak {row['peak_mb']:.0f} MB" if "peak_mb" in row else ""  # CUDA only
         print(
             f"{variant.name:<22}{row['cost_s'] * 1e3:>8.1f}{row['ratio_to_none']:>8.3f}"
             f"{row['paired_ratio_to_none']:>8.3f}{row['added_ms']:>10.1f}"
-            f"{'' if added_hf is None else f'{added_hf:.3f}':>10}  {json.dumps(config) if config else ''}"
+            f"{'' if added_hf is None else f'{added_hf:.3f}':>10}{row['held_mb']:>9.1f}{peak}"
+            f"  {json.dumps(config) if config else ''}"
         )
     if "watch" in rows:
         ratio = rows["watch"]["ratio_to_none"]
@@ -390,6 +519,8 @@ def print_mode(mode: str, results: dict[str, Any], variants: list[Variant], show
 
 
 FLOOR = "floor (inexact)"
+SENTINEL = "sentinel"
+GUARD = "guard alone"
 NO_SCALER = "watch, no scaler="
 
 
@@ -405,6 +536,12 @@ def _read_only_range(data: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def make_variants(args: argparse.Namespace, mode: str) -> list[Variant]:
     config: nanwatch.WatchConfig = args.watch_config
     names: list[Variant] = [Variant("none", None), Variant("watch", config, _period(config))]
+    if not args.no_sentinel:
+        # Sentinel mode, and the guard alone (training only: without an optimizer step it does nothing).
+        sentinel = config.with_overrides(mode="sentinel", watch_gradients=False, trace_batch_nums=[])
+        names.append(Variant(SENTINEL, sentinel, _period(sentinel)))
+        if mode == "train":
+            names.append(Variant(GUARD, config, _period(config)))
     if not args.no_hf:
         names.append(Variant("hf", None))
     if args.floor:
@@ -433,10 +570,9 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError as error:
         raise SystemExit('benchmarks/overhead.py needs transformers: pip install "nanwatch[transformers]"') from error
     device = torch.device(args.device)
-    model = build_model(args.vocab, args.seq, args.seed).to(device)
-    generator = torch.Generator().manual_seed(args.seed)
-    input_ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=generator).to(device)
-    bench = Bench(model, input_ids, device, scaler=args.scaler)
+    workload = WORKLOADS[args.model](args, device)
+    model = workload.model
+    bench = Bench(workload, device, scaler=args.scaler)
     n_params = sum(p.numel() for p in model.parameters())
     shown_config = {
         key: value
@@ -444,8 +580,7 @@ def main(argv: list[str] | None = None) -> int:
         if value != nanwatch.WatchConfig().model_dump(mode="json")[key]
     }
     print(
-        f"GPT-2 shape: 4 layers, width 256, 4 heads, vocab {args.vocab}, {n_params / 1e6:.1f}M parameters; "
-        f"batch {args.batch} x sequence {args.seq}; {device}, {args.threads} threads; torch {torch.__version__}, "
+        f"{workload.description}; {device}, {args.threads} threads; torch {torch.__version__}, "
         f"transformers {transformers.__version__}, nanwatch {nanwatch.__version__}; watch config {shown_config}"
         + ("; every training step through a GradScaler, given to nanwatch" if args.scaler else "")
     )
@@ -482,7 +617,7 @@ def main(argv: list[str] | None = None) -> int:
     for line in log_lines[:3]:
         print(f"  {line[:150]}")
     payload = {
-        "model": {"kind": "GPT2LMHeadModel", "n_layer": 4, "n_embd": 256, "n_head": 4, "parameters": n_params},
+        "model": {"workload": args.model, "description": workload.description, "parameters": n_params},
         "batch": args.batch,
         "sequence": args.seq,
         "vocab": args.vocab,

@@ -320,7 +320,7 @@ def test_a_bad_factory_is_named(captured: Captured, spec: str, expected: str) ->
 def test_cli_typo_in_the_module_path(captured: Captured) -> None:
     cli = _cli(str(captured.replay_file), "--model", "tests.replay_modls:factory")
     assert cli.returncode == 2
-    assert "nanwatch replay: error: cannot import module 'tests.replay_modls'" in cli.stderr
+    assert "nanwatch replay: cannot import module 'tests.replay_modls'" in cli.stderr
     assert "Traceback" not in cli.stderr
     assert cli.stdout == ""
 

@@ -21,17 +21,17 @@ from typing import Any, TypeAlias
 import torch
 
 from nanwatch.core.config import WatchConfig
-from nanwatch.core.features.capture import (
-    capture_rng_states,
-    determinism_flags,
-    restore_rng_states,
-    set_determinism_flags,
-)
 from nanwatch.core.features.culprit import culprit_section, find_culprit
 from nanwatch.core.formats.files import atomic_write
 from nanwatch.core.formats.replay_file import load_replay_file
 from nanwatch.core.frames import ResolvedFrame, resolve
 from nanwatch.core.report import MODULE_INDENT, TABLE_HEADER, Report, format_frame
+from nanwatch.core.runstate import (
+    capture_rng_states,
+    determinism_flags,
+    restore_rng_states,
+    set_determinism_flags,
+)
 from nanwatch.core.stats import registry
 from nanwatch.core.watcher import Watcher
 from nanwatch.errors import ReplayError

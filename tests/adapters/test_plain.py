@@ -182,7 +182,7 @@ def test_hooks_are_removed_when_detection_raises_inside_the_block() -> None:
         model(torch.randn(2, 4))
         with pytest.raises(NonFiniteError):
             handle.step()
-        assert _hook_count(model, optimizer) > 0
+        assert _hook_count(model, optimizer) == 0  # removed before the error left nanwatch, as the other adapters do
     assert _hook_count(model, optimizer) == 0
 
     def loop() -> None:
@@ -297,9 +297,10 @@ def test_report_dir_holds_text_and_json_before_the_error_propagates(tmp_path: Pa
     assert data["frames"][-1]["entries"][-1]["abs_max"] == "nan"
 
 
-def test_trace_logs_every_frame_of_the_chosen_batches(tmp_path: Path, nanwatch_log: pytest.LogCaptureFixture) -> None:
+def test_trace_logs_every_frame_of_the_chosen_batches(nanwatch_log: pytest.LogCaptureFixture) -> None:
+    # No report_dir: the frames go to the log (with one, to the trace files: tests/core/features/test_trace.py).
     model = _model()
-    with watch(model, trace_batch_nums=[1, 3], report_dir=tmp_path) as handle:
+    with watch(model, trace_batch_nums=[1, 3]) as handle:
         for _ in range(5):
             model(torch.randn(2, 4))
             handle.step()
@@ -312,8 +313,6 @@ def test_trace_logs_every_frame_of_the_chosen_batches(tmp_path: Path, nanwatch_l
     assert trace[1].startswith("                  1 ReLU\n")
     assert trace[FRAMES_PER_FORWARD - 1].startswith("                   Sequential\n")
     assert "weight" in trace[0]
-    written = (tmp_path / "nanwatch-trace-rank0.txt").read_text()
-    assert written == "".join(message + "\n" for message in trace)
 
 
 def test_the_ring_stays_bounded_after_traced_batches() -> None:

@@ -81,6 +81,7 @@ def test_the_summary_reaches_the_other_trackers() -> None:
             "nanwatch/absmax/1",
             "nanwatch/absmax/2",
             "nanwatch/absmax/(root)",
+            "nanwatch/absmax/(loss)",  # the loss given to accelerator.backward()
             "nanwatch/absmax_global",
             "nanwatch/batch_number",
         }

@@ -1,8 +1,10 @@
-"""`nanwatch plot`: the numbers behind the heatmap, and the PNG itself (size, and the colour of chosen cells)."""
+"""`nanwatch plot`: the numbers behind the heatmap and the lines, and the images themselves (size, format, the colour
+of chosen cells, the scale two runs share)."""
 
 from __future__ import annotations
 
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -20,10 +22,13 @@ from nanwatch.cli.plot import (
     MISSING_COLOUR,
     NAN_COLOUR,
     ROOT_LABEL,
+    SMALLEST_NORMAL,
     build_heatmap,
     draw_heatmap,
     figure_size,
+    model_order,
 )
+from nanwatch.cli.plot_lines import draw_lines
 from nanwatch.cli.show import restrict
 from nanwatch.core.formats.jsonl import read_blocks
 
@@ -66,15 +71,15 @@ def _pixel(png: Path, x: float, y: float) -> str:
 
 def test_cells_hold_the_max_over_float_lines_and_the_worst_non_finite(tmp_path: Path) -> None:
     heatmap = build_heatmap(read_blocks(str(_ids_trace(tmp_path))))
-    assert heatmap.rows == ["embed", "inject", "out", ROOT_LABEL]
+    assert heatmap.rows == [ROOT_LABEL, "embed", "inject", "out"]  # model order: the model, then its children
     assert heatmap.batches == [0, 1, 2]
     assert heatmap.dtypes == ["float32"]
     records = [r for r in read_blocks(f"{trace_path(tmp_path)}:0")[0].records if r.module == "embed"]
     # The embed's int64 input (ids up to 99) is not a magnitude: the cell is the max of its weight and output.
     float_max = max(float(r.abs_max or 0) for r in records if r.dtype == "float32")
     assert float_max < 99
-    assert heatmap.cells[0][0] == float_max
-    inject, out, root = heatmap.cells[1], heatmap.cells[2], heatmap.cells[3]
+    assert heatmap.cells[1][0] == float_max
+    root, inject, out = heatmap.cells[0], heatmap.cells[2], heatmap.cells[3]
     assert inject[0] == inject[1]
     assert inject[2] is not None
     assert math.isnan(inject[2])  # one nan and two infs in the output: nan is the worst
@@ -94,9 +99,11 @@ def test_plot_writes_a_png_of_the_expected_size_with_inf_cells_in_their_colour(
     capsys.readouterr()
     assert main(["plot", str(trace_path(tmp_path)), "-o", str(png), "--dpi", "80"]) == 0
     heatmap = build_heatmap(read_blocks(str(trace_path(tmp_path))))
-    assert heatmap.rows == ["fc1", "act", "amp", "fc2", ROOT_LABEL]
+    assert heatmap.rows == [ROOT_LABEL, "fc1", "act", "amp", "fc2"]
     result = draw_heatmap(heatmap, tmp_path / "again.png", dpi=80)
-    assert capsys.readouterr().out == f"wrote {png} ({result.width}x{result.height} pixels, 5 modules, 3 batches)\n"
+    assert capsys.readouterr().out == (
+        f"wrote {png} (png, {result.width}x{result.height} pixels, 5 modules, 3 batches)\n"
+    )
     pixels = image.imread(str(png))
     assert pixels.shape[:2] == (result.height, result.width)
     width, height, _, _ = figure_size(heatmap)  # inches: grows with the rows, the columns and the longest name
@@ -111,7 +118,7 @@ def test_plot_writes_a_png_of_the_expected_size_with_inf_cells_in_their_colour(
         return left + (column + 0.5) * cells_width / 3, top + (row + 0.5) * cells_height / 5
 
     # Batch 2: amp's output is inf (float16 overflows), and what follows is inf or nan; batches 0 and 1 are finite.
-    amp = heatmap.cells[2]
+    amp = heatmap.cells[3]
     assert amp[2] == math.inf
     assert all(value is not None and math.isfinite(value) for cells in heatmap.cells for value in cells[:2])
     for row, cells in enumerate(heatmap.cells):
@@ -156,9 +163,9 @@ def test_a_float32_run_judged_against_float16_outlines_what_would_overflow(tmp_p
             assert centre != INF_COLOUR
             assert (edge == INF_COLOUR) is (value > 65504), (heatmap.rows[row], column, value)
     assert [name for name, cells in zip(heatmap.rows, heatmap.cells, strict=True) if (cells[1] or 0) > 65504] == [
+        ROOT_LABEL,
         "amp",
         "fc2",
-        ROOT_LABEL,
     ]
 
 
@@ -172,8 +179,10 @@ def test_missing_matplotlib_names_the_extra(tmp_path: Path) -> None:
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
     assert result.returncode == 2, result.stderr
-    assert 'pip install "nanwatch[plot]"' in result.stderr
-    assert "nanwatch plot: error:" in result.stderr
+    assert (
+        result.stderr
+        == 'nanwatch plot: matplotlib is not installed, and plot draws with it; pip install "nanwatch[plot]"\n'
+    )
     assert not (tmp_path / "x.png").exists()
 
 
@@ -184,7 +193,9 @@ def test_bad_input_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     assert main(["plot", str(trace_path(tmp_path)), "-o", png, "--dtype", "int8"]) == 2
     assert "dtype must name a floating-point torch dtype" in capsys.readouterr().err
     assert main(["plot", str(tmp_path / "nanwatch-trace-rank0.txt"), "-o", png]) == 2
-    assert "is not JSON" in capsys.readouterr().err
+    assert "nanwatch-trace-rank0.txt is a nanwatch text trace (.txt); plot reads a nanwatch .jsonl file: give " in (
+        capsys.readouterr().err
+    )
     assert main(["plot", str(trace_path(tmp_path)), "-o", str(tmp_path / "no" / "such" / "dir.png")]) == 2
     assert "cannot write" in capsys.readouterr().err
 
@@ -243,15 +254,15 @@ def test_a_config_file_and_options_choose_rows_the_marked_dtype_and_headroom(
     capsys.readouterr()
     assert main(["plot", str(trace), "-o", str(png), "--config", str(config), "--dpi", "80"]) == 0
     out, err = capsys.readouterr()
-    assert (out, err) == (f"wrote {png} ({out.split('(')[1].split(' ')[0]} pixels, 4 modules, 3 batches)\n", "")
+    assert (out, err) == (f"wrote {png} (png, {out.split(', ')[1].split(' ')[0]} pixels, 4 modules, 3 batches)\n", "")
 
     # The same picture, drawn directly: rows without act, float16's max marked, its eighth as the headroom.
     heatmap = build_heatmap([restrict(b, {"fc1", "amp", "fc2", ""}) for b in read_blocks(str(trace))])
-    assert heatmap.rows == ["fc1", "amp", "fc2", ROOT_LABEL]
+    assert heatmap.rows == [ROOT_LABEL, "fc1", "amp", "fc2"]
     result = draw_heatmap(heatmap, tmp_path / "direct.png", dtype="float16", dpi=80, headroom_fraction=0.125)
     assert result.dtype == "float16"
     assert result.headroom == 65504 * 0.125
-    assert f"({result.width}x{result.height} pixels" in out
+    assert f"(png, {result.width}x{result.height} pixels" in out
     values = [[value or 0.0 for value in row] for row in heatmap.cells]
     near = [v for row in values for v in row if 65504 * 0.125 <= v <= 65504]
     above = [v for row in values for v in row if v > 65504]
@@ -291,14 +302,13 @@ def test_plot_rejects_a_typo_in_the_config_and_conflicting_dtypes(
     config.write_text("target_dtyp: float16\n", encoding="utf-8")
     png = tmp_path / "x.png"
     capsys.readouterr()
-    with pytest.raises(SystemExit) as exit_info:
-        main(["plot", str(trace_path(tmp_path)), "-o", str(png), "--config", str(config)])
-    assert exit_info.value.code == 2
+    assert main(["plot", str(trace_path(tmp_path)), "-o", str(png), "--config", str(config)]) == 2
     assert "unknown field 'target_dtyp' (did you mean 'target_dtype'?" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        main(["plot", str(trace_path(tmp_path)), "-o", str(png), "--dtype", "bfloat16", "--target-dtype", "float16"])
-    assert "--dtype marks that dtype's max, --target-dtype the tightest of it and FILE's: give one" in (
-        capsys.readouterr().err
+    argv = ["plot", str(trace_path(tmp_path)), "-o", str(png), "--dtype", "bfloat16", "--target-dtype", "float16"]
+    assert main(argv) == 2
+    assert capsys.readouterr().err == (
+        "nanwatch plot: --dtype marks that dtype's max, --target-dtype the tightest of it and FILE's; "
+        "give one of them\n"
     )
     assert main(["plot", str(trace_path(tmp_path)), "-o", str(png), "--include-modules", "nothing.*"]) == 2
     assert "include_modules: the pattern 'nothing.*' matches none of the 5 modules" in capsys.readouterr().err
@@ -314,7 +324,211 @@ def test_a_file_that_is_not_utf8_is_one_error_line(tmp_path: Path, capsys: pytes
     out, err = capsys.readouterr()
     assert out == ""
     assert err.splitlines() == [
-        f"nanwatch plot: error: {binary} is not UTF-8 text (byte 0 is 0x89); expected a .jsonl file written by "
-        "nanwatch (nanwatch-report-*.jsonl or nanwatch-trace-*.jsonl in report_dir)"
+        f"nanwatch plot: {binary} is a binary file (byte 0 is 0x89), not text; plot reads a nanwatch .jsonl file: "
+        "report_dir holds nanwatch-report-*.jsonl and nanwatch-trace-*.jsonl"
     ]
     assert not png.exists()
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Rows in model order
+
+
+def test_rows_are_in_model_order_even_when_a_report_begins_mid_batch(tmp_path: Path) -> None:
+    # 5 frames: fc2 and the root of batch 1, then fc1, act and amp of batch 2 (amp's output is inf).
+    model = build_amp_net()
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(SEED)).half()
+    with pytest.raises(nanwatch.NonFiniteError):
+        _overflow_at_2(model, x, tmp_path)
+    blocks = read_blocks(str(tmp_path / "nanwatch-report-rank0-batch2.jsonl"))
+    assert [record.module for record in blocks[0].records if record.label == "output"] == [
+        "fc2",
+        "",
+        "fc1",
+        "act",
+        "amp",
+    ]
+    heatmap = build_heatmap(blocks)
+    assert heatmap.rows == [ROOT_LABEL, "fc1", "act", "amp", "fc2"]  # as print(model) lists them
+
+
+def _overflow_at_2(model: nn.Module, x: torch.Tensor, report_dir: Path) -> None:
+    with nanwatch.watch(model, report_dir=report_dir, max_frames_to_save=5) as handle:
+        for batch in range(3):
+            model.amp.factor = 1e5 if batch == 2 else 1.0  # type: ignore[union-attr]
+            model(x)
+            handle.step()
+
+
+def test_model_order_puts_a_module_above_its_children_and_siblings_in_call_order() -> None:
+    # The return order of a small transformer: children before their parents, the root last.
+    returned = ["wte", "h.0.attn", "h.0.mlp.fc", "h.0.mlp", "h.0", "h.1.attn", "h.1", "ln_f", ROOT_LABEL, "lm_head"]
+    expected = [ROOT_LABEL, "wte", "h.0", "h.0.attn", "h.0.mlp", "h.0.mlp.fc", "h.1", "h.1.attn", "ln_f", "lm_head"]
+    assert model_order([(returned, False)]) == expected
+    # The same forward, seen as a report does: the end of one batch, then the start of the next.
+    assert model_order([(returned[6:], True), (returned[:6], False)]) == expected
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Image formats, and stdout
+
+
+def test_the_format_follows_the_extension(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run_amp_net(tmp_path, overflow_at=2, batches=3)
+    trace = str(trace_path(tmp_path))
+    capsys.readouterr()
+    for suffix, magic in ((".png", b"\x89PNG"), (".pdf", b"%PDF"), (".svg", b"<?xml")):
+        path = tmp_path / f"heatmap{suffix}"
+        assert main(["plot", trace, "-o", str(path)]) == 0
+        assert path.read_bytes().startswith(magic), suffix
+        assert capsys.readouterr().out.startswith(f"wrote {path} ({suffix[1:]}, ")
+    assert b"<svg" in (tmp_path / "heatmap.svg").read_bytes()
+    bad = {
+        "x.jpg": "-o {dir}/x.jpg: 'jpg' is not an image format nanwatch writes; end -o's name in .png, .pdf, .svg, or "
+        "give --format png|pdf|svg",
+        "x": "-o {dir}/x has no extension to tell the image format; end -o's name in .png, .pdf, .svg",
+    }
+    for name, expected in bad.items():
+        assert main(["plot", trace, "-o", str(tmp_path / name)]) == 2
+        assert capsys.readouterr().err.startswith("nanwatch plot: " + expected.format(dir=tmp_path))
+        assert not (tmp_path / name).exists()
+    assert main(["plot", trace, "-o", str(tmp_path / "y.png"), "--format", "pdf"]) == 2
+    assert f"-o {tmp_path / 'y.png'} says png, --format says pdf; give one of them" in capsys.readouterr().err
+    assert main(["plot", trace, "-o", str(tmp_path / "heatmap"), "--format", "pdf"]) == 0
+    assert (tmp_path / "heatmap").read_bytes().startswith(b"%PDF")
+
+
+def test_dash_writes_the_image_to_stdout_or_refuses_a_terminal(tmp_path: Path) -> None:
+    run_amp_net(tmp_path, overflow_at=None, batches=2)
+    argv = [sys.executable, "-m", "nanwatch", "plot", str(trace_path(tmp_path)), "-o", "-"]
+    piped = subprocess.run(argv, capture_output=True, timeout=120, check=False)
+    assert piped.returncode == 0, piped.stderr
+    assert piped.stdout.startswith(b"\x89PNG")
+    assert piped.stderr.decode().startswith("wrote stdout (png, ")
+    svg = subprocess.run([*argv, "--format", "svg"], capture_output=True, timeout=120, check=False)
+    assert b"<svg" in svg.stdout
+    assert not (Path.cwd() / "-").exists()
+    # A terminal as stdout: refused, nothing written.
+    import pty
+
+    leader, follower = pty.openpty()
+    try:
+        tty = subprocess.run(argv, stdout=follower, stderr=subprocess.PIPE, timeout=120, check=False)
+    finally:
+        os.close(follower)
+        os.close(leader)
+    assert tty.returncode == 2
+    assert tty.stderr.decode() == (
+        f"nanwatch plot: -o - would write PNG bytes to the terminal; redirect stdout to a file (nanwatch plot "
+        f"{trace_path(tmp_path)} -o - > plot.png) or give -o FILE\n"
+    )
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The colour scale: fixed by the dtype (float16, bfloat16, float8), or by --vmin / --vmax, so two runs compare
+
+
+def _trace_scaled(report_dir: Path, factor: float, dtype: torch.dtype) -> Path:
+    """AmpNet, amp multiplying by `factor` in every batch: fc1 and act are the same whatever the factor."""
+    model = build_amp_net(dtype)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(SEED)).to(dtype)
+    model.amp.factor = factor
+    with nanwatch.watch(model, trace_batch_nums=[0, 1], report_dir=report_dir) as handle:
+        for _ in range(2):
+            model(x)
+            handle.step()
+    return trace_path(report_dir)
+
+
+def test_float16_runs_share_a_scale_fixed_by_the_dtype(tmp_path: Path) -> None:
+    # Before: each file's colours were relative to its own numbers, so a healthy run was yellow everywhere.
+    quiet = build_heatmap(read_blocks(str(_trace_scaled(tmp_path / "quiet", 1.0, torch.float16))))
+    loud = build_heatmap(read_blocks(str(_trace_scaled(tmp_path / "loud", 300.0, torch.float16))))
+    results = []
+    for name, heatmap in (("quiet", quiet), ("loud", loud)):
+        png = tmp_path / f"{name}.png"
+        result = draw_heatmap(heatmap, png, dpi=80)
+        left, top, width, height = result.cells
+        row = heatmap.rows.index("fc1")
+        results.append((result, _pixel(png, left + 0.25 * width, top + (row + 0.5) * height / len(heatmap.rows))))
+    (quiet_result, quiet_fc1), (loud_result, loud_fc1) = results
+    low = math.log10(2.0**-14)  # float16's smallest normal ...
+    high = math.log10(65504) + 0.04 * (math.log10(65504) - low)  # ... to its max, a little room above
+    assert (quiet_result.low, quiet_result.high) == (loud_result.low, loud_result.high) == (low, high)
+    assert quiet.cells[quiet.rows.index("fc1")] == loud.cells[loud.rows.index("fc1")]
+    assert quiet_fc1 == loud_fc1  # the same number, the same colour, in both pictures
+
+
+def test_vmin_and_vmax_set_the_scale_of_any_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    runs = [str(_trace_scaled(tmp_path / name, factor, torch.float32)) for name, factor in (("a", 1.0), ("b", 1e4))]
+    own = [draw_heatmap(build_heatmap(read_blocks(run)), tmp_path / f"own{i}.png") for i, run in enumerate(runs)]
+    assert own[0].high != own[1].high  # float32: by default each around its own numbers
+    colours = []
+    for index, run in enumerate(runs):
+        png = tmp_path / f"fixed{index}.png"
+        assert main(["plot", run, "-o", str(png), "--dpi", "80", "--vmin", "1e-3", "--vmax", "1e3"]) == 0
+        heatmap = build_heatmap(read_blocks(run))
+        result = draw_heatmap(heatmap, tmp_path / "same.png", dpi=80, vmin=1e-3, vmax=1e3)
+        assert (result.low, result.high) == (-3.0, 3.0)
+        left, top, width, height = result.cells
+        rows = len(heatmap.rows)
+        colours.append([_pixel(png, left + 0.25 * width, top + (r + 0.5) * height / rows) for r in range(rows)])
+        if index == 1:  # amp, fc2 and the root pass 1e3: beyond the scale, they take its top colour
+            beyond = [row for row in range(rows) if (heatmap.cells[row][0] or 0) > 1e3]
+            assert [heatmap.rows[row] for row in beyond] == [ROOT_LABEL, "amp", "fc2"]
+            for row in beyond:
+                assert _near({colours[1][row]}, "#fde725", tolerance=2), heatmap.rows[row]  # viridis at 1.0
+    heatmap = build_heatmap(read_blocks(runs[0]))
+    fc1 = heatmap.rows.index("fc1")
+    assert colours[0][fc1] == colours[1][fc1]
+    capsys.readouterr()
+    assert main(["plot", runs[0], "-o", str(tmp_path / "x.png"), "--vmin", "10", "--vmax", "1"]) == 2
+    assert "--vmin must be below --vmax, got 10 and 1" in capsys.readouterr().err
+    assert main(["plot", runs[0], "-o", str(tmp_path / "x.png"), "--vmin", "0"]) == 2
+    assert "argument --vmin: expected a finite abs max > 0, got '0'" in capsys.readouterr().err
+
+
+def test_smallest_normals_are_torchs() -> None:
+    for name, value in SMALLEST_NORMAL.items():
+        assert value == torch.finfo(getattr(torch, name)).smallest_normal, name
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# --kind lines: the modules closest to the dtype's max, over the batches
+
+
+def test_lines_show_the_modules_closest_to_the_max(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run_amp_net(tmp_path, overflow_at=2, batches=3)
+    trace = str(trace_path(tmp_path))
+    png = tmp_path / "lines.png"
+    capsys.readouterr()
+    assert main(["plot", trace, "-o", str(png), "--kind", "lines", "--top", "3", "--dpi", "80"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"wrote {png} (png, ")
+    assert out.endswith(", 3 of 5 modules, 3 batches)\n")
+    heatmap = build_heatmap(read_blocks(trace))
+    result = draw_lines(heatmap, tmp_path / "again.png", dtype="float16", top=3, dpi=80)
+    # amp made the inf at batch 2; fc2 and the model's output got it from amp: closest first.
+    assert result.modules == ("amp", "fc2", ROOT_LABEL)
+    assert result.dtype_max_on_scale
+    pixels = image.imread(str(png))
+    assert pixels.shape[:2] == (result.height, result.width)
+    # float16's max is drawn across the axes in red, at its height on the log scale.
+    left, top, width, height = result.cells
+    y = top + (result.high - math.log10(65504)) / (result.high - result.low) * height
+    right_half = range(int(left + width / 2), int(left + width) - 5, 3)  # away from the label at the left
+    found = {_pixel(png, x, y + dy) for x in right_half for dy in range(-3, 4)}
+    assert _near(found, INF_COLOUR)
+
+
+def test_lines_of_a_finite_run_rank_by_abs_max(tmp_path: Path) -> None:
+    trace = _float32_trace_near_float16_max(tmp_path)
+    heatmap = build_heatmap(read_blocks(str(trace)))
+    result = draw_lines(heatmap, tmp_path / "f16.svg", dtype="float16", top=2)
+    peaks = {name: max(v or 0.0 for v in cells) for name, cells in zip(heatmap.rows, heatmap.cells, strict=True)}
+    assert list(result.modules) == sorted(peaks, key=lambda name: -peaks[name])[:2]
+    assert result.format == "svg"
+    assert (tmp_path / "f16.svg").read_bytes().startswith(b"<?xml")
+    far = draw_lines(heatmap, tmp_path / "f32.png", dtype="float32")
+    assert not far.dtype_max_on_scale  # 3.4e38 is 33 decades above these numbers: not drawn, said in the title
+    assert len(far.modules) == 5

@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from nanwatch.core.compiler import compiled_inner
+from nanwatch.core.hooks import wrapped_module
 from nanwatch.core.watcher import Watcher
 from nanwatch.errors import NanwatchError
 
@@ -29,10 +31,26 @@ __all__ = [
 
 def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
     """The module inside DistributedDataParallel/DataParallel wrappers, so names read `encoder.0`, not
-    `module.encoder.0`."""
-    while isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
-        model = model.module
-    return model
+    `module.encoder.0`; and inside a wrapper at the top that core/hooks.py leaves out (FSDP1, `checkpoint_wrapper`)."""
+    while True:
+        if isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
+            model = model.module
+            continue
+        compiled = compiled_inner(model)  # torch.compile's wrapper: names without `_orig_mod.`, no frame of its own
+        if compiled is not None:
+            model = compiled
+            continue
+        inner = wrapped_module(model)
+        if inner is None:
+            return model
+        model = inner
+
+
+def entry_module(given: torch.nn.Module, watched: torch.nn.Module) -> torch.nn.Module:
+    """The module the user calls, for `Watcher.entry`: a `torch.compile` wrapper stays the entry (sentinel mode hooks
+    it, outside the compiled graph, and replays the module inside eagerly); otherwise the watched module itself."""
+    compiled = isinstance(getattr(given, "_orig_mod", None), torch.nn.Module)
+    return given if compiled and given is not watched else watched
 
 
 def check_model(model: object, caller: str) -> torch.nn.Module:
@@ -130,8 +148,11 @@ def add_phase_hook(
     *,
     prepend: bool = False,
 ) -> None:
-    """A forward pre-hook on the root module (where each top-level forward starts), removed by `watcher.close()`."""
-    watcher.hooks.add_handle(root.register_forward_pre_hook(before, prepend=prepend))
+    """A forward pre-hook on the root module (where each top-level forward starts), removed by `watcher.close()`.
+    A graph that compiles the root with its hooks (an `nn.Sequential` given to torch.compile) does not trace it: the
+    hook runs as the graph's records are turned into frames (`Watcher.outside_graph`)."""
+    hook = watcher.outside_graph(root, before, ())
+    watcher.hooks.add_handle(root.register_forward_pre_hook(hook, prepend=prepend))
 
 
 def close_when_forward_raises(watcher: Watcher, root: torch.nn.Module, close: Callable[[], None]) -> None:
@@ -156,3 +177,36 @@ def close_when_forward_raises(watcher: Watcher, root: torch.nn.Module, close: Ca
             hooks[handle.id] = hooks.pop(handle.id)  # to the end, under the same key
 
     watcher.hooks.add_handle(root.register_forward_pre_hook(keep_last))
+
+
+class _WrappedMethod:
+    """`obj.name` replaced by a wrapper on the instance; `remove()` puts back what was there (a handle for HookSet)."""
+
+    def __init__(self, obj: Any, name: str, wrapper: Callable[..., Any]) -> None:
+        self._obj, self._name, self._wrapper = obj, name, wrapper
+        self._own = vars(obj).get(name, _NOTHING)  # an attribute of the instance itself, set before us
+        setattr(obj, name, wrapper)
+
+    def remove(self) -> None:
+        if vars(self._obj).get(self._name) is not self._wrapper:
+            return  # replaced again since: not ours to undo
+        if self._own is _NOTHING:
+            delattr(self._obj, self._name)
+        else:
+            setattr(self._obj, self._name, self._own)
+
+
+_NOTHING = object()
+
+
+def watch_loss_of(watcher: Watcher, obj: Any, method: str) -> None:
+    """Have `obj.method(loss, ...)` (Accelerate's `accelerator.backward`) record its loss first, until the watcher
+    closes (a loss the user recorded already is not recorded twice: `Watcher.watch_loss`)."""
+    original = getattr(obj, method)
+
+    def wrapper(loss: Any, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(loss, torch.Tensor):
+            watcher.watch_loss(loss)
+        return original(loss, *args, **kwargs)
+
+    watcher.hooks.add_handle(_WrappedMethod(obj, method, wrapper))

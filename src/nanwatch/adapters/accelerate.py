@@ -16,7 +16,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from nanwatch.adapters._common import add_phase_hook, check_model, guard_optimizers, stop_on_error
+from nanwatch.adapters._common import (
+    add_phase_hook,
+    check_model,
+    entry_module,
+    guard_optimizers,
+    stop_on_error,
+    watch_loss_of,
+)
 from nanwatch.core.config import WatchConfig, resolve_config
 from nanwatch.core.features.loss_scale import scaler_of
 from nanwatch.core.features.summary import Summary
@@ -99,6 +106,7 @@ class OverflowTracker(GeneralTracker):  # type: ignore[misc]
         self._accelerator = accelerator
         root = accelerator.unwrap_model(check_model(model, "OverflowTracker.attach()"), keep_torch_compile=False)
         watcher = Watcher(root, self.config, rank=accelerator.process_index, world_size=accelerator.num_processes)
+        watcher.entry = entry_module(model, root)
         if self._pending_state is not None:
             watcher.load_state_dict(self._pending_state)
             self._pending_state = None
@@ -110,12 +118,15 @@ class OverflowTracker(GeneralTracker):  # type: ignore[misc]
         # First of the root's pre-hooks: the previous micro-batch ends (and may be reported, with its replay copy)
         # before anything starts recording the new one.
         add_phase_hook(watcher, root, self._before_root_forward, prepend=True)
-        watcher.hooks.add_forward(root, self._after_root_forward)
+        watcher.hooks.add_forward(root, watcher.outside_graph(root, self._after_root_forward, (), None))
         if optimizers is None:
             optimizers = list(getattr(accelerator, "_optimizers", []))
         elif isinstance(optimizers, torch.optim.Optimizer):
             optimizers = [optimizers]
         guard_optimizers(watcher, optimizers, run=lambda action: stop_on_error(watcher, action))
+        # The loss handed to `accelerator.backward(loss)` (often `F.mse_loss(...)`, outside every module): read in
+        # the check before the step.
+        watch_loss_of(watcher, accelerator, "backward")
         if optimizers and watcher.optimizer_step is None:
             watcher.set_counters(optimizer_step=0)
         scaler = scaler_of(accelerator)  # None unless fp16 runs on a device Accelerate builds a GradScaler for

@@ -18,6 +18,7 @@ from nanwatch.adapters._common import guard_optimizers
 from nanwatch.core.config import WatchConfig, resolve_config
 from nanwatch.core.features.loss_scale import scaler_of
 from nanwatch.core.features.summary import Summary
+from nanwatch.core.hooks import named_unique_modules
 from nanwatch.core.log import get_logger
 from nanwatch.core.watcher import Watcher
 from nanwatch.errors import BatchLimitReached, NonFiniteError
@@ -65,7 +66,8 @@ class OverflowCallback(Callback):
         if self._counters is not None:
             watcher.load_state_dict(self._counters)
         # The LightningModule itself is left out: under DDP its forward runs as the wrapper's, elsewhere not at all.
-        watcher.attach((name, module) for name, module in pl_module.named_modules() if module is not pl_module)
+        # Named as everywhere (FSDP's and checkpointing's wrappers left out of the names: core/hooks.py).
+        watcher.attach((name, module) for name, module in named_unique_modules(pl_module) if module is not pl_module)
         if not trainer.is_global_zero:
             watcher.summary_sink = None  # Lightning's loggers write on rank zero only: no read-back elsewhere
         elif trainer.loggers:  # without any, the summary goes to the "nanwatch" logger
@@ -111,8 +113,9 @@ class OverflowCallback(Callback):
             self.watcher.start_batch("train", optimizer_step=trainer.global_step, epoch=trainer.current_epoch)
 
     def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: Tensor) -> None:
-        if self.watcher is not None and self.watcher.loss_scale is not None:
-            # Under a scaler an inf loss would pass for an overflow the scaler handles (core/features/loss_scale.py).
+        if self.watcher is not None:
+            # The loss `training_step` returned (often `F.mse_loss(...)`, computed outside every module): read in the
+            # check before the step. Under a scaler an inf loss would otherwise pass for an overflow it handles.
             self.watcher.watch_loss(loss)
 
     def on_train_batch_end(

@@ -4,22 +4,36 @@ The loop calls `handle.step()` after each micro-batch; that is the batch counter
 check before every optimizer step, so a step that would apply inf/nan never runs. Under a `GradScaler` (`scaler=`),
 the scale of a micro-batch's step is read as the next micro-batch starts: `step()` may come before or after
 `scaler.step()`.
+
+One watcher per model: when nanwatch raises (a detection, the batch limit, the loss scale's floor) the handle removes
+its hooks first, as the other adapters do (`step()` goes on counting, recording nothing), and a new `watch()` on a
+model that an earlier handle still watches closes that handle, with a warning, before it attaches its own hooks.
 """
 
 from __future__ import annotations
 
 import contextlib
+import warnings
+import weakref
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
 import torch
 
-from nanwatch.adapters._common import add_phase_hook, check_model, check_optimizer, guard_optimizers, unwrap_model
+from nanwatch.adapters._common import (
+    add_phase_hook,
+    check_model,
+    check_optimizer,
+    entry_module,
+    guard_optimizers,
+    stop_on_error,
+    unwrap_model,
+)
 from nanwatch.core.config import WatchConfig, resolve_config
 from nanwatch.core.features.loss_scale import GradScalerLike
 from nanwatch.core.watcher import Watcher
-from nanwatch.errors import LossScaleBelowFloor
+from nanwatch.errors import LossScaleBelowFloor, NanwatchWarning
 
 __all__ = ["watch", "WatchHandle", "unwrap_model"]
 
@@ -39,20 +53,25 @@ class WatchHandle:
         if optimizer is not None:
             check_optimizer(optimizer, "watch()")
         self.watcher = Watcher(self.model, config)
+        self.watcher.entry = entry_module(model, self.model)
         if scaler is not None:  # before attach: a bad scaler raises with no hook left behind
             self.watcher.watch_scaler(scaler, read_scale="when_settled")
         self._closed = False
         self._scale_unread = False  # a micro-batch ended; the scaler's verdict on its step is not read yet
         try:
+            _take_over(self.model)
             self.watcher.attach()
             # Registered after the watcher's own hooks, so on the root they run after its frame was recorded.
             add_phase_hook(self.watcher, self.model, self._before_top_forward)
-            self.watcher.hooks.add_forward(self.model, self._after_top_forward)
+            self.watcher.hooks.add_forward(
+                self.model, self.watcher.outside_graph(self.model, self._after_top_forward, (), None)
+            )
             if optimizer is not None:
                 self.guard(optimizer)
         except BaseException:
             self.watcher.close(check=False)  # a watch() that failed leaves nothing attached
             raise
+        _LIVE.add(self)
 
     @property
     def config(self) -> WatchConfig:
@@ -76,23 +95,28 @@ class WatchHandle:
         self.watcher.set_counters(epoch=value)
 
     def _before_top_forward(self, module: torch.nn.Module, args: tuple[Any, ...]) -> None:
-        if module.training:
-            # The first forward of a micro-batch: the previous one's scaler.step() and update() are done, whether
-            # step() came before or after them, so a change of the scale seen now is that micro-batch's.
-            self._settle_scale()
-        self.watcher.start_batch("train" if module.training else "eval")
+        training = module.training
+
+        def start() -> None:
+            if training:
+                # The first forward of a micro-batch: the previous one's scaler.step() and update() are done, whether
+                # step() came before or after them, so a change of the scale seen now is that micro-batch's.
+                self._settle_scale()
+            self.watcher.start_batch("train" if training else "eval")
+
+        stop_on_error(self.watcher, start)
 
     def _after_top_forward(self, module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
         # An eval forward is one eval batch; nobody calls step() for it, so it is checked as soon as it returns.
         if self.watcher.phase == "eval" and self.watcher.recording:
-            self.watcher.end_batch()
+            stop_on_error(self.watcher, self.watcher.end_batch)
 
     def guard(self, optimizer: torch.optim.Optimizer) -> None:
         """Check (and agree across ranks) before each `optimizer.step()`; raise there so the step never runs."""
         check_optimizer(optimizer, "guard()")
         if self.watcher.optimizer_step is None:
             self.watcher.set_counters(optimizer_step=0)
-        guard_optimizers(self.watcher, [optimizer])
+        guard_optimizers(self.watcher, [optimizer], run=lambda action: stop_on_error(self.watcher, action))
 
     def step(self) -> None:
         """End the current training micro-batch: check it, then advance `batch_number`.
@@ -103,9 +127,13 @@ class WatchHandle:
         """
         if self._closed:
             raise RuntimeError("nanwatch: step() called on a closed watch handle")
-        self.watcher.start_batch("train")
-        # If the optimizer guard already agreed during this micro-batch, end_batch() runs no second collective.
-        self.watcher.end_batch()
+
+        def end() -> None:
+            self.watcher.start_batch("train")
+            # If the optimizer guard already agreed during this micro-batch, end_batch() runs no second collective.
+            self.watcher.end_batch()
+
+        stop_on_error(self.watcher, end)
         self._scale_unread = True
 
     def _settle_scale(self) -> None:
@@ -126,7 +154,7 @@ class WatchHandle:
 
     def check(self) -> None:
         """Check now (one host sync, and a collective when distributed) rather than waiting for `step()`."""
-        self.watcher.agreement_point(hold=False)
+        stop_on_error(self.watcher, lambda: self.watcher.agreement_point(hold=False))
 
     def summary(self) -> dict[str, float]:
         """The abs max of every watched module in the last training batch checked clean, also logged to "nanwatch".
@@ -175,6 +203,31 @@ class WatchHandle:
         self._settle_scale()  # the last micro-batch's step: may raise LossScaleBelowFloor
 
 
+# The handles whose hooks may still be on a model (a handle is kept alive by its hooks, not by this set).
+_LIVE: weakref.WeakSet[WatchHandle] = weakref.WeakSet()
+
+
+def _take_over(model: torch.nn.Module) -> None:
+    """One watcher per model: close every live handle that still has hooks on a module of `model`, with a warning.
+
+    Two handles on one model would both record every call and both count batches; a nan in the new run would be
+    raised by the old handle with its own batch number."""
+    if not _LIVE:
+        return
+    ours = {id(module) for module in model.modules()}
+    for old in list(_LIVE):
+        if old._closed or not old.watcher.attached or ours.isdisjoint(map(id, old.model.modules())):
+            continue
+        message = (
+            f"nanwatch: watch() on a model that an earlier watch() handle still watches (at its "
+            f"batch_number={old.batch_number}): that handle is closed now, and the new one takes over. Close a "
+            "handle when its run ends: handle.close(), or `with nanwatch.watch(...) as handle:`"
+        )
+        old.watcher.logger.warning(message)
+        warnings.warn(message, NanwatchWarning, stacklevel=4)
+        old.close()
+
+
 def watch(
     model: torch.nn.Module,
     config: WatchConfig | dict[str, Any] | str | Path | None = None,
@@ -186,7 +239,7 @@ def watch(
     """Watch every module of `model` for inf/nan.
 
     Args:
-        model: the model (a DistributedDataParallel wrapper is looked through).
+        model: the model (a DistributedDataParallel, FSDP1 or `checkpoint_wrapper` wrapper is looked through).
         config: a `WatchConfig`, a dict of its fields, or the path of a YAML/JSON file; defaults when None.
         optimizer: if given, nanwatch checks before each of its steps, so inf/nan never reaches the weights.
         scaler: the run's `torch.amp.GradScaler`, if any: inf/nan gradients on the steps it skips are then expected
@@ -196,7 +249,7 @@ def watch(
 
     Returns:
         A handle: call `handle.step()` after each micro-batch; `with watch(model) as handle:` removes the hooks at
-        the end of the block.
+        the end of the block. An earlier handle that still watches `model` is closed, with a `NanwatchWarning`.
 
     Raises:
         ConfigError: the config or an override names an unknown field or holds a bad value.

@@ -36,6 +36,7 @@ from nanwatch.cli.doctor import (
     _rank_args,
     _ranks_phrase,
     _say,
+    verdict_name,
 )
 from nanwatch.core.formats.files import atomic_write
 
@@ -106,8 +107,9 @@ def _read_rank_env() -> _RankEnv:
 class _Watchdog:
     """Ends this process with a diagnosis when one stage overruns its budget, whatever it is blocked in."""
 
-    def __init__(self, who: str, budget_s: float, on_stuck: Callable[[str], None] | None = None) -> None:
+    def __init__(self, who: str, rank: int, budget_s: float, on_stuck: Callable[[str], None] | None = None) -> None:
         self._who = who
+        self._rank = rank
         self._budget_s = budget_s
         self._on_stuck = on_stuck
         self._stage = "start-up"
@@ -142,6 +144,7 @@ class _Watchdog:
                     f"this rank is blocked in {stage} (a peer gone, a firewall, or a hung device)"
                 )
                 _err(f"{self._who} FAIL {diagnosis}")
+                _keep_verdict(verdict_name(self._rank), f"{self._who} FAIL {diagnosis}")
                 if self._on_stuck is not None:
                     with contextlib.suppress(Exception):
                         self._on_stuck(diagnosis)
@@ -173,11 +176,12 @@ def run_rank(args: argparse.Namespace) -> int:
         if report_dir is not None:
             _record_failure(report_dir, rank_env, diagnosis)
 
-    watchdog = _Watchdog(rank_env.who, args.timeout + _WATCHDOG_GRACE_S, on_stuck=record_failure)
+    watchdog = _Watchdog(rank_env.who, rank_env.rank, args.timeout + _WATCHDOG_GRACE_S, on_stuck=record_failure)
     try:
         return _check_rank(args, rank_env, watchdog)
     except CheckFailed as error:
         _err(f"{rank_env.who} FAIL {error}")
+        _keep_verdict(verdict_name(rank_env.rank), f"{rank_env.who} FAIL {error}")
         record_failure(str(error))
         return 1
     finally:
@@ -216,7 +220,9 @@ def _check_rank(args: argparse.Namespace, rank_env: _RankEnv, watchdog: _Watchdo
         if args.report_dir is not None:
             with watchdog.stage("report_dir"):
                 _probe_report_dir(args.report_dir, rank_env.rank)
-        _say(f"{rank_env.who} OK ({backend}, {device}, all_reduce {all_reduce_ms:.2f} ms)")
+        verdict = f"{rank_env.who} OK ({backend}, {device}, all_reduce {all_reduce_ms:.2f} ms)"
+        _say(verdict)
+        _keep_verdict(verdict_name(rank_env.rank), verdict)
         with watchdog.stage("summary"):
             result = _RankResult(
                 rank=rank_env.rank,
@@ -232,6 +238,7 @@ def _check_rank(args: argparse.Namespace, rank_env: _RankEnv, watchdog: _Watchdo
             results = [_RankResult(**item) for item in gathered]
             summary = _summary(backend, torch.__version__, results)
             _say(summary)
+            _keep_verdict(verdict_name(None), summary)
             if args.report_dir is not None:
                 with watchdog.stage("summary"):
                     _write_summary(args.report_dir, summary, backend, results)
@@ -308,6 +315,15 @@ def _wait_for_arrivals(store: Any, rank_env: _RankEnv, timeout_s: float) -> None
         f"({len(arrived)} of {rank_env.world_size} arrived: rank {seen}{more}). Was every process started, with "
         f"the same WORLD_SIZE={rank_env.world_size}, MASTER_ADDR and MASTER_PORT?"
     )
+
+
+def _keep_verdict(name: str, text: str) -> None:
+    """Under `nanwatch doctor --nproc`, leave this rank's verdict where the launcher prints it from, once torchrun is
+    done (torchrun's own output goes to a log file); started any other way, the lines on stdout/stderr are all."""
+    directory = os.environ.get(_STARTED_DIR_ENV)
+    if directory:
+        with contextlib.suppress(OSError):
+            atomic_write(Path(directory, name), text + "\n")
 
 
 def _simulate_absence(rank_env: _RankEnv, timeout_s: float) -> None:

@@ -1,13 +1,19 @@
-"""`nanwatch demo`: train a small fp16 model on the CPU until it overflows, and show nanwatch's report."""
+"""`nanwatch demo`: train a small fp16 model on the CPU until it overflows, and show nanwatch's report.
+
+Exit status: 0 when nanwatch stopped the run at an inf/nan (what the demo is for), 1 when no inf/nan came within
+--steps (or abort_after_batch_num stopped it first), 2 on bad input (one line on stderr).
+"""
 
 from __future__ import annotations
 
 import argparse
+import math
 from typing import TYPE_CHECKING, Any
 
+from nanwatch.cli import COMMANDS
 from nanwatch.cli.options import add_config_arguments, config_from_args
 from nanwatch.core.config import WatchConfig
-from nanwatch.errors import NonFiniteError
+from nanwatch.errors import BatchLimitReached, NonFiniteError
 
 if TYPE_CHECKING:
     import torch
@@ -59,12 +65,17 @@ def run_demo(config: WatchConfig, *, steps: int = 50, learning_rate: float = 0.0
                     "until one module's output is inf."
                 )
                 return error.batch_number
+            except BatchLimitReached as stop:  # --abort-after-batch-num: the run ends early, as asked
+                print(
+                    f"\nstopped after batch_number={stop.batch_number}, as abort_after_batch_num asked; no inf/nan yet"
+                )
+                return None
     print(f"no inf/nan in {steps} batches")
     return None
 
 
 def _run(args: argparse.Namespace) -> int:
-    config = config_from_args(args, args.parser)
+    config = config_from_args(args)
     stopped_at = run_demo(config, steps=args.steps, learning_rate=args.lr)
     return 0 if stopped_at is not None else 1
 
@@ -72,11 +83,34 @@ def _run(args: argparse.Namespace) -> int:
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "demo",
-        help="train a small fp16 model on the CPU until it overflows, and show the report",
-        description="Train a small fp16 MLP with plain SGD until its activations overflow; nanwatch reports where.",
+        help=COMMANDS["demo"].summary,
+        description=(
+            "Train a small fp16 MLP with plain SGD until its activations overflow; nanwatch reports where. Exit "
+            "status: 0 when nanwatch stopped the run at an inf/nan, 1 when none came within --steps, 2 on bad input."
+        ),
     )
-    parser.add_argument("--steps", type=int, default=50, help="most batches to train (default: 50)")
-    parser.add_argument("--lr", type=float, default=0.01, help="learning rate (default: 0.01)")
+    parser.add_argument("--steps", type=_steps, default=50, help="most batches to train (default: 50)")
+    parser.add_argument("--lr", type=_learning_rate, default=0.01, help="learning rate, > 0 (default: 0.01)")
     # --config FILE and one option per WatchConfig field; the demo shows a shorter report by default.
     add_config_arguments(parser, defaults={"max_frames_to_save": 8})
     parser.set_defaults(func=_run, parser=parser)
+
+
+def _steps(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}")
+    return value
+
+
+def _learning_rate(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}")
+    return value

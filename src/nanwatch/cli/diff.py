@@ -28,13 +28,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from nanwatch.cli import COMMANDS
+from nanwatch.cli.inputs import read_jsonl_blocks
 from nanwatch.cli.options import ToolHelpFormatter, add_config_arguments, fields_epilog, tool_config
 from nanwatch.cli.show import chosen_modules, restrict
-from nanwatch.core.formats.jsonl import Block, JsonlError, LineRecord, parse_source, read_blocks
+from nanwatch.core.formats.jsonl import Block, JsonlError, LineRecord, parse_source
 from nanwatch.core.report import trailing_text
 from nanwatch.core.stats import registry
 from nanwatch.core.stats.abs_range import relative_difference
-from nanwatch.errors import ConfigError
 
 __all__ = ["register", "Row", "DiffResult", "compare", "diff_text", "load_block", "run_diff", "USED_FIELDS"]
 
@@ -264,10 +265,11 @@ def load_block(spec: str) -> tuple[Block, str | None]:
     """The one report or traced batch `spec` names, and a note when the file held that batch more than once.
 
     Raises:
-        JsonlError: the file is not a nanwatch JSON Lines file, holds no such batch, or holds several batches
-            and `spec` names none.
+        CliError: the file is not a nanwatch JSON Lines file (the message says what it is), or was cut short.
+        JsonlError: a line is not a nanwatch record, the file holds no such batch, or it holds several batches and
+            `spec` names none.
     """
-    blocks = read_blocks(spec)
+    blocks = read_jsonl_blocks(spec, "diff")
     path, batch = parse_source(spec)
     if batch is None and len({(block.kind, block.batch) for block in blocks}) > 1:
         held = ", ".join(f"{block.kind} of batch {block.batch}" for block in blocks)
@@ -320,6 +322,7 @@ def run_diff(
         exclude: glob patterns of modules left out of the comparison.
 
     Raises:
+        CliError: a spec's file is not a whole nanwatch JSON Lines file.
         JsonlError: a spec does not name one report or traced batch of a nanwatch JSON Lines file.
         ConfigError: a module pattern matches no module of A or B, or the patterns leave none.
     """
@@ -336,22 +339,18 @@ def run_diff(
 
 
 def _run(args: argparse.Namespace) -> int:
-    settings = tool_config(args, args.parser)
+    settings = tool_config(args)
     for flag in settings.unused_options(USED_FIELDS):
         print(f"nanwatch diff: note: {flag} is not used by diff (see nanwatch diff --help)", file=sys.stderr)
-    try:
-        status, text, notes = run_diff(
-            args.a,
-            args.b,
-            rtol=args.rtol,
-            atol=args.atol,
-            context=args.context,
-            include=settings.config.include_modules,
-            exclude=settings.config.exclude_modules,
-        )
-    except (JsonlError, ConfigError) as error:
-        print(f"nanwatch diff: error: {error}", file=sys.stderr)
-        return 2
+    status, text, notes = run_diff(
+        args.a,
+        args.b,
+        rtol=args.rtol,
+        atol=args.atol,
+        context=args.context,
+        include=settings.config.include_modules,
+        exclude=settings.config.exclude_modules,
+    )
     for note in notes:
         print(f"nanwatch diff: note: {note}", file=sys.stderr)
     sys.stdout.write(text)
@@ -361,13 +360,14 @@ def _run(args: argparse.Namespace) -> int:
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "diff",
-        help="show where two traced batches (or two runs) first diverge",
+        help=COMMANDS["diff"].summary,
         description=(
             "Line up two traced batches by (module, call index, label), e.g. trace.jsonl:149 against "
             "trace.jsonl:150, or a bfloat16 trace against a float32 trace of the same model, and show the first "
             "line where they diverge: one abs max non-finite and the other not, the two further apart than "
             "atol + rtol * max(|a|, |b|), or another statistic measured on both sides different (nan/inf counts, "
-            "underflow counts). Exit status: 0 when equivalent, 1 when they diverge, 2 on bad input."
+            "underflow counts). Exit status: 0 when equivalent, 1 when they diverge, 2 on bad input (one line on "
+            "stderr)."
         ),
         epilog=fields_epilog("diff", USED_FIELDS),
         formatter_class=ToolHelpFormatter,

@@ -29,9 +29,11 @@ import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from nanwatch.cli import COMMANDS
 from nanwatch.cli.options import ToolHelpFormatter, add_config_arguments, fields_epilog, tool_config
+from nanwatch.cli.usage import CliError
 
-__all__ = ["register", "find_free_port", "torchrun_command", "USED_FIELDS", "SUMMARY_STEM"]
+__all__ = ["register", "find_free_port", "torchrun_command", "verdict_name", "USED_FIELDS", "SUMMARY_STEM"]
 
 DEFAULT_TIMEOUT_S = 60.0
 
@@ -47,6 +49,7 @@ _WATCHDOG_GRACE_S = 15.0
 _ALL_REDUCE_NUMEL = 1 << 20  # float32 elements: 4 MiB, big enough to exercise the transport, small enough for a CPU
 # In report_dir: rank zero's summary, and each failing rank's diagnosis (`{SUMMARY_STEM}-rank{R}`), as .txt and .json.
 SUMMARY_STEM = "nanwatch-doctor"
+_SEE_HELP = "see nanwatch doctor --help"
 
 # The WatchConfig fields `nanwatch doctor` applies, and what each does here (printed by --help).
 USED_FIELDS = {
@@ -60,12 +63,14 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     """Add the `doctor` subcommand."""
     parser = subparsers.add_parser(
         "doctor",
-        help="check that the processes of a distributed job can reach each other",
+        help=COMMANDS["doctor"].summary,
         description=(
             "Distributed health check. Under torchrun (torchrun --nproc_per_node N -m nanwatch doctor) every rank "
             "joins the process group, passes a barrier, checks an all_reduce and allocates memory on its device. "
-            "Outside torchrun, `nanwatch doctor --nproc N` starts torchrun itself. Exit status 0 when every rank is "
-            "OK, 1 when a check failed or a rank never arrived (named on stderr), 2 on bad input."
+            "Outside torchrun, `nanwatch doctor --nproc N` starts torchrun itself, keeps torchrun's output in a log "
+            "file it names on stderr, and prints the verdict last, alone on stdout: one line per rank, then the "
+            "summary. Exit status 0 when every rank is OK, 1 when a check failed or a rank never arrived (named), "
+            "2 on bad input (one line on stderr)."
         ),
         epilog=fields_epilog("doctor", USED_FIELDS),
         formatter_class=ToolHelpFormatter,
@@ -127,7 +132,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 def _handle(args: argparse.Namespace) -> int:
     # Read before anything starts: a bad config file ends the command (exit 2) with no process launched.
-    settings = tool_config(args, args.parser)
+    settings = tool_config(args)
     args.report_dir = settings.config.report_dir
     if os.environ.get("RANK", "0") == "0":  # once, not once per rank
         for flag in settings.unused_options(USED_FIELDS):
@@ -197,11 +202,15 @@ def torchrun_command(
     return [*command, "-m", "nanwatch", "doctor", *doctor_args]
 
 
+def verdict_name(rank: int | None) -> str:
+    """The file a rank started by `--nproc` leaves its verdict line in (rank None: rank 0's summary)."""
+    return "verdict-summary.txt" if rank is None else f"verdict-rank{rank}.txt"
+
+
 def _launch(args: argparse.Namespace) -> int:
     nproc = args.nproc if args.nproc is not None else _default_nproc()
     if args.node_rank >= args.nnodes:
-        _err(f"nanwatch doctor: --node-rank must be below --nnodes={args.nnodes}, got {args.node_rank}")
-        return 2
+        raise CliError(f"--node-rank must be below --nnodes={args.nnodes}, got {args.node_rank}", _SEE_HELP)
     port = args.master_port
     if port is None:
         port = find_free_port() if args.nnodes == 1 else 29500
@@ -214,7 +223,9 @@ def _launch(args: argparse.Namespace) -> int:
         timeout=args.timeout,
         doctor_args=_rank_args(args),
     )
-    _err("nanwatch doctor: running " + " ".join(command))
+    log = _log_path(args.report_dir)
+    _err(f"nanwatch doctor: running {' '.join(command)}")
+    _err(f"nanwatch doctor: torchrun's own output goes to {log}")
     with tempfile.TemporaryDirectory(prefix="nanwatch-doctor-") as started_dir:
         env = {**os.environ, _STARTED_DIR_ENV: started_dir}
         if args.debug:
@@ -222,30 +233,57 @@ def _launch(args: argparse.Namespace) -> int:
         # Every rank's stages are bounded by their own watchdogs and torchrun's rendezvous by its timeout; this
         # outer bound only catches torchrun itself misbehaving.
         deadline_s = 6 * (args.timeout + _WATCHDOG_GRACE_S) + 60
-        returncode = _run_bounded(command, env, deadline_s)
-        started = sorted(path.name for path in Path(started_dir).iterdir())
-    if returncode == 0:
-        return 0
+        returncode = _run_bounded(command, env, deadline_s, log)
+        found = {path.name: path for path in Path(started_dir).iterdir()}
+        started = sorted(int(name[len("rank") :]) for name in found if name.startswith("rank"))
+        verdicts = [_read(found[verdict_name(rank)]) for rank in started if verdict_name(rank) in found]
+        silent = [rank for rank in started if verdict_name(rank) not in found]
+        summary = _read(found[verdict_name(None)]) if verdict_name(None) in found else None
+    # The verdict comes last, and alone on stdout: each rank's line in rank order, then rank 0's summary or why not.
+    lines = [*verdicts, *([summary] if summary is not None else [])]
     if returncode is None:
-        _err(f"nanwatch doctor: FAILED: torchrun did not finish within {deadline_s:g} s and was stopped.")
-        return 1
-    if not started:
+        lines.append(f"nanwatch doctor: FAILED: torchrun did not finish within {deadline_s:g} s and was stopped")
+    elif returncode != 0 and not started:
         where = f"{args.master_addr}:{port}"
         if args.nnodes > 1:
-            _err(
+            lines.append(
                 f"nanwatch doctor: FAILED: no worker started on this node (node rank {args.node_rank}): torchrun's "
                 f"rendezvous at {where} did not see all {args.nnodes} nodes within {math.ceil(args.timeout)} s. "
                 f"Start `nanwatch doctor` on every node with the same --nnodes, --master-addr and --master-port and "
-                f"a distinct --node-rank, and check that node 0 accepts connections on port {port}."
+                f"a distinct --node-rank, and check that node 0 accepts connections on port {port}"
             )
         else:
-            _err(
+            lines.append(
                 f"nanwatch doctor: FAILED: torchrun exited with status {returncode} before any worker started; "
-                f"is port {port} on {args.master_addr} already in use? Its own error is above."
+                f"is port {port} on {args.master_addr} already in use? torchrun's own error is in {log}"
             )
-        return 1
-    _err(f"nanwatch doctor: FAILED (torchrun exit status {returncode}); the FAIL lines above name the rank and stage.")
-    return 1
+    elif returncode != 0:
+        gone = f"; {_ranks_phrase(silent)} ended with no verdict (crashed?)" if silent else ""
+        lines.append(
+            f"nanwatch doctor: FAILED (torchrun exit status {returncode}){gone}; the FAIL lines name the rank and "
+            f"stage, torchrun's own output is in {log}"
+        )
+    for line in lines:
+        _say(line)
+    return 0 if returncode == 0 else 1
+
+
+def _log_path(report_dir: Path | None) -> Path:
+    """Where torchrun's output goes: report_dir when the config names one (it is kept with the summary), else a
+    fresh file in the temporary directory, kept for reading."""
+    if report_dir is not None:
+        with contextlib.suppress(OSError):
+            report_dir.mkdir(parents=True, exist_ok=True)
+            path = report_dir / f"{SUMMARY_STEM}-torchrun.log"
+            path.write_bytes(b"")
+            return path
+    handle, name = tempfile.mkstemp(prefix=f"{SUMMARY_STEM}-torchrun-", suffix=".log")
+    os.close(handle)
+    return Path(name)
+
+
+def _read(path: Path) -> str:
+    return path.read_text(encoding="utf-8").rstrip("\n")
 
 
 def _rank_args(args: argparse.Namespace) -> list[str]:
@@ -257,9 +295,10 @@ def _rank_args(args: argparse.Namespace) -> list[str]:
     return [*rank_args, "--debug"] if args.debug else rank_args
 
 
-def _run_bounded(command: list[str], env: dict[str, str], deadline_s: float) -> int | None:
+def _run_bounded(command: list[str], env: dict[str, str], deadline_s: float, log: Path) -> int | None:
     # A new session, so that on overrun the whole tree we started (torchrun and its workers) can be stopped together.
-    process = subprocess.Popen(command, env=env, start_new_session=True)
+    with log.open("ab") as output:
+        process = subprocess.Popen(command, env=env, start_new_session=True, stdout=output, stderr=subprocess.STDOUT)
     try:
         return process.wait(timeout=deadline_s)
     except subprocess.TimeoutExpired:

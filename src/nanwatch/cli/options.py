@@ -13,10 +13,12 @@ every command line without touching this module:
 
 Precedence: `WatchConfig` defaults < the command's own defaults < `--config FILE` < options given on the line.
 
-The tools that read what a run wrote (`nanwatch show`, `diff`, `plot`, `doctor`) take the same options, so the config
-file of the training runs drives them too. Each uses a few fields; `add_config_arguments(parser, used=...)` marks the
-others as unused in `--help`, `fields_epilog` lists both, and `tool_config` says which fields were given at all, so a
-tool applies a field only when it was set (a file's `max_frames_to_save: 50`, not the default 21).
+The tools that read what a run wrote (`nanwatch show`, `diff`, `plot`, `doctor`, `replay`) take the same options, so
+the config file of the training runs drives them too. Each uses a few fields; `add_config_arguments(parser,
+used=...)` still accepts the others (a shared config file loads; an unused option given on the line gets a note) but
+leaves them out of `--help`, `fields_epilog` says what each used field does there, and `tool_config` says which fields
+were given at all, so a tool applies a field only when it was set (a file's `max_frames_to_save: 50`, not the default
+21).
 """
 
 from __future__ import annotations
@@ -86,7 +88,7 @@ def add_config_arguments(
         defaults: the command's own defaults for some fields (e.g. fewer frames for a demo); they sit between
             `WatchConfig`'s defaults and the config file, and `--help` shows them.
         used: for a command that uses only some fields (a tool reading a run's files): those fields. The others
-            stay accepted, so a config file shared with training runs loads, and their help says they are unused.
+            stay accepted, so a config file shared with training runs loads, but `--help` does not list them.
 
     Returns:
         The same parser, for chaining.
@@ -101,8 +103,8 @@ def add_config_arguments(
     description = "Any WatchConfig field; precedence: defaults < --config FILE < these options."
     if used is not None:
         description = (
-            "Any WatchConfig field, so one config file serves training runs and this command; precedence: defaults "
-            "< --config FILE < these options. Options marked (unused here) are accepted and have no effect."
+            "The WatchConfig fields this command uses; precedence: defaults < --config FILE < these options. The "
+            "other fields are accepted and ignored, so one config file serves training runs and this command."
         )
     group = parser.add_argument_group("watch config", description)
     group.add_argument(
@@ -116,8 +118,10 @@ def add_config_arguments(
     for option in config_options():
         kwargs = dict(option.kwargs)
         shown = getattr(base, option.field)
-        unused = " (unused here)" if used is not None and option.field not in used else ""
-        kwargs["help"] = f"{kwargs['help']} (default: {_show(shown)}){unused}"
+        if used is not None and option.field not in used:
+            kwargs["help"] = argparse.SUPPRESS  # accepted (a shared config's field on the line), not listed
+        else:
+            kwargs["help"] = f"{kwargs['help']} (default: {_show(shown).replace('%', '%%')})"
         group.add_argument(option.flag, **kwargs)
     if defaults is not None:
         parser.set_defaults(**{_DEFAULTS_DEST: base})
@@ -215,9 +219,9 @@ def fields_epilog(command: str, used: Mapping[str, str]) -> str:
     _check_fields(used)
     lines = [f"WatchConfig fields used by {command} (from --config FILE or their options; unset, they change nothing):"]
     lines.extend(f"  {name}: {what}" for name, what in used.items())
-    rest = [name for name in WatchConfig.model_fields if name not in used]
     lines.append(
-        f"Accepted but unused by {command}, so that a config file shared with training runs loads: {', '.join(rest)}."
+        f"The other WatchConfig fields are accepted and ignored by {command}, so that a config file shared with "
+        "training runs loads (nanwatch config prints them all)."
     )
     return "\n".join(lines)
 
@@ -307,7 +311,8 @@ def _option_for(name: str, info: FieldInfo) -> ConfigOption:
     kwargs: dict[str, Any] = {
         "dest": _DEST_PREFIX + name,
         "default": argparse.SUPPRESS,  # absent unless given, so the file's value stands
-        "help": (info.description or name).rstrip("."),
+        # argparse expands %-formats in help: a description's "1%" must reach it as "1%%".
+        "help": (info.description or name).rstrip(".").replace("%", "%%"),
     }
     members = _union_members(annotation)
     optional = type(None) in members

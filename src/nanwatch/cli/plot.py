@@ -1,4 +1,4 @@
-"""`nanwatch plot FILE -o heatmap.png`: log10(abs max) per module (rows) per batch (columns), the dtype's max marked.
+"""`nanwatch plot FILE -o heatmap.png`: abs max per module (rows) per batch (columns), the dtype's max marked.
 
 Each cell is the largest abs max over the module's floating-point lines in that batch (its parameters, inputs and
 outputs, every call of it): the picture of how close each module comes to its dtype's limit, batch after batch.
@@ -8,11 +8,26 @@ Finite cells above the marked dtype's max (a float32 run judged against float16 
 outlined in red: they would overflow in that dtype. With a headroom fraction, cells at or above that fraction of
 the marked max (where nanwatch warns while watching) are outlined in orange, and the fraction is marked on the bar.
 
+Rows are in model order (the order of `print(model)`: a module above its children, siblings in the order they ran),
+rebuilt from the records' return order, also for a report whose frames begin in the middle of a batch.
+
+The colour scale is log10(abs max). Where the marked dtype is a narrow one (float16, bfloat16, float8), the scale is
+fixed by that dtype: from its smallest normal number to its max, so two runs in that dtype get the same colours and
+a healthy run sits in the middle; for wider dtypes it spans the file's own numbers. `--vmin` / `--vmax` set it by
+hand (abs max values, e.g. `--vmin 1e-3 --vmax 1e5`) to compare any two runs; cells beyond it take the end colours.
+
+`--kind lines` draws the other picture people ask for: the abs max of the modules that came closest to the dtype's
+max, one line each over the batches, with that max drawn across (`plot_lines.py`).
+
+The image format follows `-o`'s extension (png, pdf, svg) or `--format`; `-o -` writes the image to stdout.
+
 With a config (`--config FILE` or the options generated from `WatchConfig`), `include_modules` / `exclude_modules`
 choose the rows, `target_dtype` joins the candidates for the marked max, and `headroom_warn_fraction` (when set)
 draws the headroom outlines.
 
 matplotlib is imported only here, when a plot is drawn (`pip install "nanwatch[plot]"`).
+
+Exit status: 0, or 2 on bad input (one line on stderr).
 """
 
 from __future__ import annotations
@@ -21,26 +36,35 @@ import argparse
 import math
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
+from nanwatch.cli import COMMANDS
+from nanwatch.cli.inputs import read_jsonl_blocks
 from nanwatch.cli.options import ToolHelpFormatter, add_config_arguments, fields_epilog, tool_config
 from nanwatch.cli.show import chosen_modules, restrict
-from nanwatch.core.formats.jsonl import Block, JsonlError, read_blocks
+from nanwatch.cli.usage import CliError
+from nanwatch.core.formats.jsonl import Block
 from nanwatch.core.stats.dtypes import FLOAT_MAX, float_max
-from nanwatch.errors import ConfigError, PlotError
+from nanwatch.errors import PlotError
 
 __all__ = [
     "register",
     "Heatmap",
     "PlotResult",
     "PlotError",
+    "FORMATS",
+    "SMALLEST_NORMAL",
     "build_heatmap",
     "draw_heatmap",
     "figure_size",
     "dtype_max",
     "marked_dtype",
+    "model_order",
+    "return_order",
+    "image_format",
+    "colour_scale",
     "USED_FIELDS",
 ]
 
@@ -51,8 +75,20 @@ NAN_COLOUR = "#ff00ff"
 MISSING_COLOUR = "#d0d0d0"
 ZERO_COLOUR = "#ffffff"
 HEADROOM_COLOUR = "#ff7f00"
-# A dtype's max is put on the colour scale when it lies at most this many decades above the largest value drawn;
-# further up (float32's 3.4e38 for a model whose numbers stay near 1) it would squash every colour into one.
+# The image formats `-o NAME.EXT` (or `--format`) may ask for; matplotlib writes each with its own backend.
+FORMATS = ("png", "pdf", "svg")
+# The smallest normal number of the narrow dtypes, whose scale is fixed by default (bottom: this, top: the max);
+# a test checks each against torch.finfo(...).smallest_normal.
+SMALLEST_NORMAL: dict[str, float] = {
+    "float16": 2.0**-14,
+    "bfloat16": 2.0**-126,
+    "float8_e4m3fn": 2.0**-6,
+    "float8_e4m3fnuz": 2.0**-7,
+    "float8_e5m2": 2.0**-14,
+    "float8_e5m2fnuz": 2.0**-15,
+}
+# A dtype's max is put on a data-relative scale when it lies at most this many decades above the largest value
+# drawn; further up (float32's 3.4e38 for a model whose numbers stay near 1) it would squash every colour into one.
 _MAX_DECADES_TO_DTYPE_MAX = 12.0
 _ROW_INCH = 0.2
 _CHAR_INCH = 0.062  # about one character of 8-point text
@@ -75,16 +111,19 @@ class Heatmap:
     """The numbers behind the picture.
 
     Attributes:
-        rows: module names in the order they first ran (`ROOT_LABEL` for the model itself).
+        rows: module names in model order (`ROOT_LABEL` for the model itself, first).
         batches: the batch numbers, ascending.
         cells: `cells[row][column]`: the largest abs max (inf or nan when any line was), None where not recorded.
         dtypes: the floating-point dtypes of the lines drawn.
+        returned: for each row, its place in the order the modules' calls returned in a batch (children before
+            their parent, the module that made an inf before those it reached); empty when not known.
     """
 
     rows: list[str]
     batches: list[int]
     cells: list[list[float | None]]
     dtypes: list[str]
+    returned: list[float] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -92,14 +131,17 @@ class PlotResult:
     """What was drawn, in numbers.
 
     Attributes:
-        width: of the image, in pixels.
+        width: of the image, in pixels (at the dpi asked for; a pdf or svg is this size in points x dpi / 72).
         height: of the image, in pixels.
-        cells: (left, top, width, height) of the grid of cells, in pixels from the image's top-left corner.
-        low: the bottom of the colour scale, in log10 units.
-        high: the top of the colour scale, in log10 units.
+        cells: (left, top, width, height) of the grid of cells (for lines: of the axes), in pixels from the image's
+            top-left corner.
+        low: the bottom of the colour scale (for lines: of the y axis), in log10 units.
+        high: the top of the colour scale (for lines: of the y axis), in log10 units.
         dtype: whose max is marked.
-        dtype_max_on_scale: whether that max fits on the colour scale (and is marked on the colour bar).
+        dtype_max_on_scale: whether that max fits on the scale (and is marked on it).
         headroom: the headroom threshold (a fraction of that max) whose cells are outlined in orange, or None.
+        format: the image format written ("png", "pdf", "svg").
+        modules: the rows drawn (for lines: the modules that came closest to the max, closest first).
     """
 
     width: int
@@ -110,6 +152,8 @@ class PlotResult:
     dtype: str
     dtype_max_on_scale: bool
     headroom: float | None = None
+    format: str = "png"
+    modules: tuple[str, ...] = ()
 
 
 def _is_float(dtype: str | None) -> bool:
@@ -142,26 +186,88 @@ def build_heatmap(blocks: Sequence[Block], *, depth: int | None = None) -> Heatm
         PlotError: no floating-point line holds a number.
     """
     by_batch: dict[int, dict[str, float]] = {}
-    rows: dict[str, None] = {}
+    segments: list[tuple[list[str], bool]] = []  # each batch's names in return order, and whether it is cut at start
     dtypes: set[str] = set()
     for block in blocks:
         seen: dict[int, dict[str, float]] = {}
+        order: dict[int, dict[str, None]] = {}
         for record in block.records:
             if record.abs_max is None or not _is_float(record.dtype):
                 continue
             assert record.dtype is not None
             name = _row_name(record.module, depth)
-            rows.setdefault(name, None)
+            order.setdefault(record.batch, {}).setdefault(name, None)
             dtypes.add(record.dtype)
             batch_cells = seen.setdefault(record.batch, {})
             batch_cells[name] = _merge(batch_cells.get(name), float(record.abs_max))
         by_batch.update(seen)  # a later block of the same batch (a reused report_dir) replaces the earlier one
+        # A report's frames may begin in the middle of the batch before the detection: that batch's frames are the
+        # end of a forward, the others begin at its start.
+        cut_first = block.kind == "report" and len(order) > 1
+        for index, batch_names in enumerate(order.values()):
+            segments.append((list(batch_names), cut_first and index == 0))
     if not by_batch:
         raise PlotError("nothing to plot: no floating-point tensor line holds a number")
     batches = sorted(by_batch)
-    names = list(rows)
+    places = return_order(segments)
+    names = model_order(segments)
     cells = [[by_batch[batch].get(name) for batch in batches] for name in names]
-    return Heatmap(names, batches, cells, sorted(dtypes))
+    return Heatmap(names, batches, cells, sorted(dtypes), [places[name] for name in names])
+
+
+def return_order(segments: Sequence[tuple[Sequence[str], bool]]) -> dict[str, float]:
+    """Each name's place in the order the calls of one forward return, from the batches' records.
+
+    Args:
+        segments: each batch's names in the order they first returned, and whether the batch is cut at its start
+            (the first batch of a report: its names are the end of a forward, so they go after any name it lacks).
+    """
+    everything = list(dict.fromkeys(name for names, _ in segments for name in names))
+    size = len(everything)
+    from_start: dict[str, int] = {}  # a name's place counted from the start of a batch: the surer one
+    from_end: dict[str, int] = {}  # counted back from the end of a forward, for a batch cut at its start
+    for names, cut_at_start in segments:
+        for index, name in enumerate(names):
+            places, place = (from_end, size - len(names) + index) if cut_at_start else (from_start, index)
+            places[name] = min(places.get(name, place), place)
+    return {name: from_start.get(name, from_end.get(name, size)) for name in everything}
+
+
+def model_order(segments: Sequence[tuple[Sequence[str], bool]]) -> list[str]:
+    """Module names in model order (as `print(model)`: a module above its children, siblings in the order they ran),
+    from the order in which their calls returned (see `return_order` for `segments`).
+
+    Returns:
+        Every name once, `ROOT_LABEL` first when present.
+    """
+    position = return_order(segments)
+    everything = list(position)
+    size = len(everything)
+    # Each name's key is the earliest place in its subtree: a module's children return before it, and siblings in
+    # the order they were called, so sorting siblings by that key puts them in call order.
+    tree: dict[str, list[str]] = {}
+    key: dict[str, float] = {}
+    first_seen = {name: index for index, name in enumerate(everything)}
+    for name in everything:
+        parts = [] if name == ROOT_LABEL else name.split(".")
+        for depth in range(len(parts) + 1):
+            node = ".".join(parts[:depth]) if depth else ROOT_LABEL
+            key[node] = min(key.get(node, math.inf), position[name])
+            if depth:
+                parent = ".".join(parts[: depth - 1]) if depth > 1 else ROOT_LABEL
+                children = tree.setdefault(parent, [])
+                if node not in children:
+                    children.append(node)
+    ordered: list[str] = []
+    present = set(everything)
+    stack = [ROOT_LABEL]
+    while stack:
+        node = stack.pop()
+        if node in present:
+            ordered.append(node)
+        children = sorted(tree.get(node, []), key=lambda child: (key[child], first_seen.get(child, size)))
+        stack.extend(reversed(children))
+    return ordered
 
 
 def dtype_max(dtype: str) -> float:
@@ -187,6 +293,66 @@ def marked_dtype(heatmap: Heatmap, target_dtype: str | None = None) -> str:
     return min(candidates, key=dtype_max)
 
 
+def image_format(output: str | Path, asked: str | None = None) -> str:
+    """The image format to write: `asked` (`--format`), else the extension of `output`; png for stdout (`-`).
+
+    Raises:
+        CliError: the format is not one of `FORMATS`, the name has no extension, or the two disagree.
+    """
+    todo = f"end -o's name in {', '.join('.' + f for f in FORMATS)}, or give --format {'|'.join(FORMATS)}"
+    if asked is not None and asked not in FORMATS:
+        raise CliError(f"--format {asked!r} is not an image format nanwatch writes", todo)
+    if str(output) == "-":
+        return asked or "png"
+    suffix = Path(output).suffix.lower().lstrip(".")
+    if asked is not None:
+        if suffix and suffix != asked:
+            raise CliError(f"-o {output} says {suffix}, --format says {asked}", "give one of them")
+        return asked
+    if not suffix:
+        raise CliError(f"-o {output} has no extension to tell the image format", todo)
+    if suffix not in FORMATS:
+        raise CliError(f"-o {output}: {suffix!r} is not an image format nanwatch writes", todo)
+    return suffix
+
+
+def colour_scale(
+    positive_logs: Sequence[float], dtype: str, *, vmin: float | None = None, vmax: float | None = None
+) -> tuple[float, float, bool]:
+    """The colour scale (low, high, in log10 units) and whether the dtype's max lies on it.
+
+    By hand with `vmin` / `vmax` (abs max values); else, for a narrow dtype (`SMALLEST_NORMAL`), from its smallest
+    normal to its max, the same for every run in it; else around the numbers drawn, reaching up to the dtype's max
+    when that is within `_MAX_DECADES_TO_DTYPE_MAX` decades of them.
+
+    Raises:
+        PlotError: `vmin` or `vmax` is not a finite number > 0, or `vmin` is not below `vmax`.
+    """
+    for name, value in (("vmin", vmin), ("vmax", vmax)):
+        if value is not None and not 0 < value < math.inf:
+            raise PlotError(f"--{name} must be a finite abs max > 0, got {value!r}")
+    if vmin is not None and vmax is not None and not vmin < vmax:
+        raise PlotError(f"--vmin must be below --vmax, got {vmin:g} and {vmax:g}")
+    limit_log = math.log10(dtype_max(dtype))
+    if dtype in SMALLEST_NORMAL:
+        low = math.log10(SMALLEST_NORMAL[dtype])
+        high = limit_log + 0.04 * (limit_log - low)  # a little room above, so the mark is not lost on the bar's edge
+    else:
+        low = min(positive_logs) if positive_logs else limit_log - 1
+        high = max(positive_logs) if positive_logs else limit_log
+        if limit_log - high <= _MAX_DECADES_TO_DTYPE_MAX and high <= limit_log:
+            high = limit_log + 0.04 * (limit_log - low)
+        if high - low < 1:
+            low, high = low - 0.5, high + 0.5
+    if vmin is not None:
+        low = math.log10(vmin)
+    if vmax is not None:
+        high = math.log10(vmax)
+    if not low < high:  # one end given beyond the other's default
+        low, high = (high - 1, high) if vmax is not None else (low, low + 1)
+    return low, high, low <= limit_log <= high
+
+
 def figure_size(heatmap: Heatmap) -> tuple[float, float, float, float]:
     """(width, height, left margin, plot width) in inches: the picture grows with the rows, columns and names."""
     columns = len(heatmap.batches)
@@ -196,46 +362,66 @@ def figure_size(heatmap: Heatmap) -> tuple[float, float, float, float]:
     return left + plot_width + _RIGHT_INCH, _TOP_INCH + plot_height + _BOTTOM_INCH, left, plot_width
 
 
+def matplotlib_or_error() -> None:
+    """Raises PlotError naming the extra to install when matplotlib is not there."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as error:
+        raise PlotError(
+            'nanwatch plot draws with matplotlib, which is not installed: pip install "nanwatch[plot]"'
+        ) from error
+
+
+def save_figure(figure: Any, output: str | Path | IO[bytes], fmt: str, dpi: int) -> None:
+    """Write `figure` in `fmt` to a file, or to a binary stream (`-o -`: stdout)."""
+    target = output if not isinstance(output, str | Path) else str(output)
+    figure.savefig(target, format=fmt, dpi=dpi)
+
+
 def draw_heatmap(
     heatmap: Heatmap,
-    output: str | Path,
+    output: str | Path | IO[bytes],
     *,
     dtype: str | None = None,
     title: str | None = None,
     dpi: int = 100,
     headroom_fraction: float | None = None,
+    vmin: float | None = None,
+    vmax: float | None = None,
+    fmt: str | None = None,
 ) -> PlotResult:
-    """Draw `heatmap` to a PNG file.
+    """Draw `heatmap` to an image file (or a binary stream).
 
     Args:
         heatmap: from `build_heatmap`.
-        output: the image file to write.
+        output: the image file to write, or a binary stream.
         dtype: whose max to mark; by default the tightest of the dtypes drawn (float16 in a mixed-precision run).
         title: the first line of the title.
         dpi: pixels per inch.
         headroom_fraction: outline in orange the finite cells at or above this fraction of the marked max (and at
             most the max), and mark the fraction on the colour bar; None: no headroom marks.
+        vmin: the abs max at the bottom of the colour scale (default: see `colour_scale`).
+        vmax: the abs max at its top.
+        fmt: the image format (`FORMATS`); default: from `output`'s extension (png for a stream).
 
     Returns:
         The image's size, where its cells are, and its colour scale.
 
     Raises:
-        PlotError: matplotlib is not installed, `dtype` is not a floating-point dtype, or `headroom_fraction` is not
-            in (0, 1].
+        PlotError: matplotlib is not installed, `dtype` is not a floating-point dtype, `headroom_fraction` is not
+            in (0, 1], or `vmin` / `vmax` are not a scale.
+        CliError: the format is not one of `FORMATS`.
     """
     if headroom_fraction is not None and not 0 < headroom_fraction <= 1:
         raise PlotError(f"headroom_fraction must be in (0, 1], got {headroom_fraction!r}")
-    try:
-        import numpy as np
-        from matplotlib import colormaps, colors
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.collections import PatchCollection
-        from matplotlib.figure import Figure
-        from matplotlib.patches import Patch, Rectangle
-    except ImportError as error:
-        raise PlotError(
-            'nanwatch plot draws with matplotlib, which is not installed: pip install "nanwatch[plot]"'
-        ) from error
+    fmt = fmt if fmt is not None else image_format(output if isinstance(output, str | Path) else "-")
+    matplotlib_or_error()
+    import numpy as np
+    from matplotlib import colormaps, colors
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.collections import PatchCollection
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Patch, Rectangle
 
     marked = dtype if dtype is not None else marked_dtype(heatmap)
     limit = dtype_max(marked)
@@ -250,14 +436,7 @@ def draw_heatmap(
     positive = np.isfinite(values) & (values > 0)
     logs = np.full(values.shape, np.nan)
     logs[positive] = np.log10(values[positive])
-    low = float(logs[positive].min()) if positive.any() else limit_log - 1
-    high = float(logs[positive].max()) if positive.any() else limit_log
-    on_scale = limit_log - high <= _MAX_DECADES_TO_DTYPE_MAX
-    if on_scale and high <= limit_log:
-        high = limit_log + 0.04 * (limit_log - low)  # a little room above, so the mark is not lost on the bar's edge
-    if high - low < 1:
-        low, high = low - 0.5, high + 0.5
-    logs[zero] = low - 1  # below the scale: drawn in the "under" colour
+    low, high, on_scale = colour_scale([float(v) for v in logs[positive]], marked, vmin=vmin, vmax=vmax)
 
     width, height, left, plot_width = figure_size(heatmap)
     figure = Figure(figsize=(width, height), dpi=dpi)
@@ -265,7 +444,9 @@ def draw_heatmap(
     plot_height = height - _TOP_INCH - _BOTTOM_INCH
     axes = figure.add_axes((left / width, _BOTTOM_INCH / height, plot_width / width, plot_height / height))
     axes.set_facecolor(MISSING_COLOUR)
-    colour_map = colormaps["viridis"].with_extremes(under=ZERO_COLOUR)
+    viridis = colormaps["viridis"]
+    # Beyond the scale, a cell takes the colour of the scale's end (the bar's arrows say so).
+    colour_map = viridis.with_extremes(under=viridis(0.0), over=viridis(1.0))
     image = axes.imshow(
         np.ma.masked_invalid(logs),
         cmap=colour_map,
@@ -273,7 +454,7 @@ def draw_heatmap(
         aspect="auto",
         interpolation="nearest",
     )
-    for mask, colour in ((is_inf, INF_COLOUR), (is_nan, NAN_COLOUR)):
+    for mask, colour in ((is_inf, INF_COLOUR), (is_nan, NAN_COLOUR), (zero, ZERO_COLOUR)):
         if mask.any():
             axes.imshow(
                 np.ma.masked_where(~mask, np.ones(values.shape)),
@@ -309,8 +490,12 @@ def draw_heatmap(
     bar_axes = figure.add_axes(
         ((left + plot_width + 0.85) / width, _BOTTOM_INCH / height, 0.18 / width, plot_height / height)
     )
-    bar = figure.colorbar(image, cax=bar_axes, extend="min" if zero.any() else "neither")
-    bar.set_label("log10(abs max)", fontsize=9)
+    below_scale = bool((logs[positive] < low).any())
+    above_scale = bool((logs[positive] > high).any())
+    extend = {(True, True): "both", (True, False): "min", (False, True): "max"}.get((below_scale, above_scale))
+    bar = figure.colorbar(image, cax=bar_axes, extend=extend or "neither")
+    fixed = marked in SMALLEST_NORMAL and vmin is None and vmax is None
+    bar.set_label(f"log10(abs max)\n{marked}'s normal range" if fixed else "log10(abs max)", fontsize=9)
     bar.ax.tick_params(labelsize=8)
     if on_scale:
         bar_axes.axhline(limit_log, color=INF_COLOUR, linewidth=2.5)
@@ -332,7 +517,8 @@ def draw_heatmap(
     first_line = title or "log10(abs max) per module and batch"
     second = f"cell: max over the module's float lines; {rows} modules, {columns} batches"
     if not on_scale:
-        second += f"; {marked} max {limit:.3g} is off the scale, {limit_log - high:.0f} decades above"
+        where = "above" if limit_log > high else "below"
+        second += f"; {marked} max {limit:.3g} is off the scale, {abs(limit_log - high):.0f} decades {where}"
     figure.text(0.5, 1 - 0.22 / height, first_line, ha="center", va="center", fontsize=10, weight="bold")
     figure.text(0.5, 1 - 0.44 / height, second, ha="center", va="center", fontsize=8)
     legend = [
@@ -354,62 +540,107 @@ def draw_heatmap(
         )
     # One row when it fits in the figure's width, else as many columns as fit (measured, not guessed).
     renderer = canvas.get_renderer()  # type: ignore[no-untyped-call]
-    for columns in range(len(legend), 0, -1):
+    for legend_columns in range(len(legend), 0, -1):
         placed = figure.legend(
             handles=legend,
             loc="lower left",
             bbox_to_anchor=(left / width, 0.05 / height),
-            ncol=columns,
+            ncol=legend_columns,
             fontsize=7,
             frameon=False,
         )
-        if columns == 1 or placed.get_window_extent(renderer).x1 <= width * dpi:
+        if legend_columns == 1 or placed.get_window_extent(renderer).x1 <= width * dpi:
             break
         placed.remove()
-    figure.savefig(str(output), format="png", dpi=dpi)
+    save_figure(figure, output, fmt, dpi)
     pixels: tuple[int, int] = canvas.get_width_height()
     cells = (left * dpi, _TOP_INCH * dpi, plot_width * dpi, plot_height * dpi)
-    return PlotResult(pixels[0], pixels[1], cells, low, high, marked, on_scale, headroom)
+    return PlotResult(
+        pixels[0], pixels[1], cells, low, high, marked, on_scale, headroom, fmt, modules=tuple(heatmap.rows)
+    )
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The command
 
 
 def _run(args: argparse.Namespace) -> int:
-    settings = tool_config(args, args.parser)
+    settings = tool_config(args)
     config = settings.config
     if args.dtype is not None and "target_dtype" in settings.from_line:
-        args.parser.error("--dtype marks that dtype's max, --target-dtype the tightest of it and FILE's: give one")
+        raise CliError(
+            "--dtype marks that dtype's max, --target-dtype the tightest of it and FILE's", "give one of them"
+        )
+    fmt = image_format(args.output, args.format)
+    try:
+        matplotlib_or_error()
+    except PlotError:
+        raise CliError("matplotlib is not installed, and plot draws with it", 'pip install "nanwatch[plot]"') from None
+    to_stdout = args.output == "-"
+    if to_stdout and sys.stdout.isatty():
+        raise CliError(
+            f"-o - would write {fmt.upper()} bytes to the terminal",
+            f"redirect stdout to a file (nanwatch plot {args.file} -o - > plot.{fmt}) or give -o FILE",
+        )
     for flag in settings.unused_options(USED_FIELDS):
         print(f"nanwatch plot: note: {flag} is not used by plot (see nanwatch plot --help)", file=sys.stderr)
     # Applied only when set: a default fraction would add marks that nobody asked for.
     headroom = config.headroom_warn_fraction if "headroom_warn_fraction" in settings.given else None
+    blocks = read_jsonl_blocks(args.file, "plot")
+    if config.include_modules or config.exclude_modules:
+        names = [record.module for block in blocks for record in block.records]
+        modules = chosen_modules(names, config.include_modules, config.exclude_modules, source=args.file)
+        blocks = [restrict(block, modules) for block in blocks]
+    heatmap = build_heatmap(blocks, depth=args.depth)
+    dtype = args.dtype if args.dtype is not None else marked_dtype(heatmap, config.target_dtype)
+    dtype_max(dtype)  # a bad --dtype is an error before anything is drawn
+    output: str | IO[bytes] = sys.stdout.buffer if to_stdout else args.output
+    title = args.title or Path(args.file).name
     try:
-        blocks = read_blocks(args.file)
-        if config.include_modules or config.exclude_modules:
-            names = [record.module for block in blocks for record in block.records]
-            modules = chosen_modules(names, config.include_modules, config.exclude_modules, source=args.file)
-            blocks = [restrict(block, modules) for block in blocks]
-        heatmap = build_heatmap(blocks, depth=args.depth)
-        if len(heatmap.rows) > MAX_ROWS:
-            raise PlotError(
-                f"{len(heatmap.rows)} modules make more than {MAX_ROWS} rows; gather them with --depth N "
-                "(rows named by the first N parts of the module names)"
+        if args.kind == "lines":
+            from nanwatch.cli.plot_lines import draw_lines
+
+            result = draw_lines(
+                heatmap,
+                output,
+                dtype=dtype,
+                top=args.top,
+                title=title,
+                dpi=args.dpi,
+                vmin=args.vmin,
+                vmax=args.vmax,
+                fmt=fmt,
             )
-        dtype = args.dtype if args.dtype is not None else marked_dtype(heatmap, config.target_dtype)
-        result = draw_heatmap(
-            heatmap,
-            args.output,
-            dtype=dtype,
-            title=args.title or Path(args.file).name,
-            dpi=args.dpi,
-            headroom_fraction=headroom,
-        )
-    except (JsonlError, PlotError, ConfigError) as error:
-        print(f"nanwatch plot: error: {error}", file=sys.stderr)
-        return 2
+        else:
+            if len(heatmap.rows) > MAX_ROWS:
+                raise PlotError(
+                    f"{len(heatmap.rows)} modules make more than {MAX_ROWS} rows; gather them with --depth N "
+                    "(rows named by the first N parts of the module names), or draw --kind lines"
+                )
+            result = draw_heatmap(
+                heatmap,
+                output,
+                dtype=dtype,
+                title=title,
+                dpi=args.dpi,
+                headroom_fraction=headroom,
+                vmin=args.vmin,
+                vmax=args.vmax,
+                fmt=fmt,
+            )
     except OSError as error:
-        print(f"nanwatch plot: error: cannot write {args.output!r}: {error.strerror or error}", file=sys.stderr)
-        return 2
-    rows, columns = len(heatmap.rows), len(heatmap.batches)
-    print(f"wrote {args.output} ({result.width}x{result.height} pixels, {rows} modules, {columns} batches)")
+        raise CliError(
+            f"cannot write {args.output!r}: {error.strerror or error}",
+            "give -o a path in a folder that exists and can be written",
+        ) from None
+    if fmt == "png":
+        size = f"{result.width}x{result.height} pixels"
+    else:
+        size = f"{result.width / args.dpi:.1f}x{result.height / args.dpi:.1f} in"
+    rows = len(heatmap.rows)
+    what = f"{len(result.modules)} of {rows} modules" if args.kind == "lines" else f"{rows} modules"
+    message = f"wrote {'stdout' if to_stdout else args.output} ({fmt}, {size}, {what}, {len(heatmap.batches)} batches)"
+    print(message, file=sys.stderr if to_stdout else sys.stdout)
     return 0
 
 
@@ -423,26 +654,53 @@ def _positive(text: str) -> int:
     return value
 
 
+def _abs_max(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number such as 1e-3, got {text!r}") from None
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"expected a finite abs max > 0, got {text!r}")
+    return value
+
+
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "plot",
-        help="draw log10(abs max) per module per batch as a heatmap PNG",
+        help=COMMANDS["plot"].summary,
         description=(
-            "Draw a heatmap of a trace (or report) .jsonl file: one row per module, one column per batch, the "
-            "colour log10 of the largest abs max over the module's float lines, inf and nan in colours of their "
-            'own, and the dtype\'s max marked on the colour bar. Needs matplotlib: pip install "nanwatch[plot]". '
-            "Exit status: 0, or 2 on bad input."
+            "Draw a trace (or report) .jsonl file. --kind heatmap (the default): one row per module in model order, "
+            "one column per batch, the colour log10 of the largest abs max over the module's float lines, inf and "
+            "nan in colours of their own, and the dtype's max marked on the colour bar; the scale is fixed by the "
+            "dtype for float16, bfloat16 and float8 (smallest normal to max), so runs compare, or set by --vmin and "
+            "--vmax. --kind lines: the abs max over the batches of the --top modules that came closest to the "
+            "dtype's max, that max drawn across. The format follows -o's extension (png, pdf, svg); -o - writes to "
+            'stdout. Needs matplotlib: pip install "nanwatch[plot]". Exit status: 0, or 2 on bad input (one line '
+            "on stderr)."
         ),
         epilog=fields_epilog("plot", USED_FIELDS),
         formatter_class=ToolHelpFormatter,
     )
     parser.add_argument("file", metavar="FILE[:BATCH]", help="a .jsonl file written by nanwatch")
-    parser.add_argument("-o", "--output", required=True, help="the PNG file to write")
+    parser.add_argument(
+        "-o", "--output", required=True, help="the image to write: NAME.png, NAME.pdf or NAME.svg; - for stdout"
+    )
+    parser.add_argument(
+        "--kind", choices=("heatmap", "lines"), default="heatmap", help="the picture (default: heatmap)"
+    )
+    parser.add_argument(
+        "--format", choices=FORMATS, default=None, help="the image format (default: -o's extension; png for -o -)"
+    )
     parser.add_argument(
         "--depth", type=_positive, default=None, help="gather modules by the first N parts of their names"
     )
     parser.add_argument(
         "--dtype", default=None, help="whose max to mark (default: the tightest of the file's dtypes and target_dtype)"
+    )
+    parser.add_argument("--vmin", type=_abs_max, default=None, help="abs max at the bottom of the scale, e.g. 1e-3")
+    parser.add_argument("--vmax", type=_abs_max, default=None, help="abs max at the top of the scale, e.g. 1e5")
+    parser.add_argument(
+        "--top", type=_positive, default=8, help="--kind lines: how many modules, the closest to the max (default: 8)"
     )
     parser.add_argument("--title", default=None, help="title (default: the file's name)")
     parser.add_argument("--dpi", type=_positive, default=100, help="pixels per inch (default: 100)")

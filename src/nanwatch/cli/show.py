@@ -14,10 +14,11 @@ from collections.abc import Collection, Iterable, Sequence
 from dataclasses import replace
 from typing import Any
 
+from nanwatch.cli import COMMANDS
+from nanwatch.cli.inputs import read_jsonl_blocks
 from nanwatch.cli.options import ToolHelpFormatter, add_config_arguments, fields_epilog, tool_config
-from nanwatch.core.formats.jsonl import Block, JsonlError, read_blocks
+from nanwatch.core.formats.jsonl import Block
 from nanwatch.core.scope import select_names
-from nanwatch.errors import ConfigError
 
 __all__ = ["register", "render", "chosen_modules", "restrict", "USED_FIELDS"]
 
@@ -84,7 +85,8 @@ def render(
         exclude: glob patterns of modules whose lines are left out.
 
     Raises:
-        JsonlError: the file is not a nanwatch JSON Lines file, or holds no batch BATCH.
+        CliError: the file is not a nanwatch JSON Lines file (the message says what it is), or was cut short.
+        JsonlError: a line is not a nanwatch record, or the file holds no batch BATCH.
         ConfigError: a module pattern matches no module in the file, or the patterns leave none.
     """
     blocks = _selected_blocks(spec, max_frames=max_frames, include=include, exclude=exclude)
@@ -94,7 +96,7 @@ def render(
 def _selected_blocks(
     spec: str, *, max_frames: int | None, include: Sequence[str], exclude: Sequence[str]
 ) -> list[Block]:
-    blocks = read_blocks(spec)
+    blocks = read_jsonl_blocks(spec, "show")
     modules = None
     if include or exclude:
         names = (record.module for block in blocks for record in block.records)
@@ -106,20 +108,16 @@ def _selected_blocks(
 
 
 def _run(args: argparse.Namespace) -> int:
-    settings = tool_config(args, args.parser)
+    settings = tool_config(args)
     config, given = settings.config, settings.given
     for flag in settings.unused_options(USED_FIELDS):
         _note(f"{flag} is not used by show (see nanwatch show --help)")
-    try:
-        blocks = _selected_blocks(
-            args.file,
-            max_frames=config.max_frames_to_save if "max_frames_to_save" in given else None,
-            include=config.include_modules,
-            exclude=config.exclude_modules,
-        )
-    except (JsonlError, ConfigError) as error:
-        print(f"nanwatch show: error: {error}", file=sys.stderr)
-        return 2
+    blocks = _selected_blocks(
+        args.file,
+        max_frames=config.max_frames_to_save if "max_frames_to_save" in given else None,
+        include=config.include_modules,
+        exclude=config.exclude_modules,
+    )
     if "max_frames_to_save" in settings.from_line and all(block.kind != "report" for block in blocks):
         _note(f"--max-frames-to-save applies to reports, and {args.file} holds traces only: shown whole")
     sys.stdout.write("".join(block.to_text() + "\n" for block in blocks))
@@ -138,11 +136,12 @@ def _names(names: list[str]) -> str:
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "show",
-        help="render a report or trace .jsonl file as text",
+        help=COMMANDS["show"].summary,
         description=(
             "Print a nanwatch JSON Lines file (nanwatch-report-*.jsonl or nanwatch-trace-rank*.jsonl in report_dir) "
-            "as text: a report exactly as its .txt report, a trace batch by batch as its .txt trace. "
-            "Exit status: 0, or 2 on bad input."
+            "as text: a report exactly as its .txt report, a trace batch by batch as its .txt trace. Any other file "
+            "(the .json or .txt report, a replay capture) is named for what it is, with the .jsonl to give instead; "
+            "a .jsonl cut short is refused. Exit status: 0, or 2 on bad input (one line on stderr)."
         ),
         epilog=fields_epilog("show", USED_FIELDS),
         formatter_class=ToolHelpFormatter,

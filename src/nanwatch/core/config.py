@@ -34,6 +34,13 @@ class WatchConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
 
+    mode: Literal["full", "sentinel"] = Field(
+        "full",
+        description='"full": every module is watched on every batch (the report is exact as it happens). '
+        '"sentinel": no per-module hooks; the model\'s output, the gradient w.r.t. it, the loss and the gradients '
+        "about to be applied are checked (about 1% of a training step), and when one is inf/nan the failing "
+        "micro-batch is run again with full watching to write the same report (a replay).",
+    )
     max_frames_to_save: int = Field(
         21,
         ge=1,
@@ -42,7 +49,9 @@ class WatchConfig(BaseModel):
         "story is a trace (trace_batch_nums).",
     )
     trace_batch_nums: list[int] = Field(
-        default_factory=list, description="0-indexed batch numbers whose every frame is logged as it happens."
+        default_factory=list,
+        description="0-indexed batch numbers whose every frame is traced as it happens: written to report_dir's "
+        "trace files (the log gets one line per traced batch), or logged when there is no report_dir.",
     )
     abort_after_batch_num: int | None = Field(
         None, ge=0, description="Stop the run once this 0-indexed batch has finished."
@@ -211,6 +220,17 @@ class WatchConfig(BaseModel):
     def _capture_needs_report_dir(self) -> WatchConfig:
         if self.capture_on_detect and self.report_dir is None:
             raise ValueError("capture_on_detect=True needs report_dir: the replay file is written there")
+        return self
+
+    @model_validator(mode="after")
+    def _sentinel_hooks_no_module(self) -> WatchConfig:
+        if self.mode == "sentinel":
+            wanted = [name for name in ("trace_batch_nums", "watch_gradients") if getattr(self, name)]
+            if wanted:
+                raise ValueError(
+                    f"mode='sentinel' puts no hook on the modules, which {' and '.join(wanted)} need"
+                    " (its replay of a failing micro-batch watches every module and its gradients); use mode='full'"
+                )
         return self
 
     @model_validator(mode="after")

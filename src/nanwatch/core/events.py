@@ -24,7 +24,7 @@ The events, in the order a micro-batch meets them:
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 if TYPE_CHECKING:
@@ -51,6 +51,10 @@ class EngineContext(Protocol):
     @property
     def model(self) -> torch.nn.Module: ...
     @property
+    def entry(self) -> torch.nn.Module:
+        """The module the user calls: `model`, or a wrapper of it (DDP, torch.compile)."""
+
+    @property
     def config(self) -> WatchConfig: ...
     @property
     def rank(self) -> int: ...
@@ -69,6 +73,10 @@ class EngineContext(Protocol):
     @property
     def current_batch(self) -> int:
         """The current micro-batch of the current phase."""
+
+    @property
+    def guarded(self) -> bool:
+        """An adapter checks before each optimizer step (core/features/guard.py)."""
 
     @property
     def optimizer_step(self) -> int | None: ...
@@ -106,8 +114,13 @@ class EngineContext(Protocol):
     def report_for(self, frames: Sequence[Frame]) -> Report | None:
         """The report of `frames` if one holds inf/nan (one read), annotated by every feature; nothing committed."""
 
-    def gradient_report(self, section: ReportSection, module_name: str | None) -> Report:
-        """A report of a detection in the gradients alone: the latest frames for context, then `section`."""
+    def detection_report(self, section: ReportSection, module_name: str | None) -> Report:
+        """A report of a detection a feature made from its own flags (the current micro-batch): the latest frames
+        for context, then `section`."""
+
+    def rerun(self, run: Callable[[], Any], *, batch_number: int, phase: Phase, gradients: bool) -> Report | None:
+        """Run `run()` (a forward, maybe a backward, of the model) again under a full watch of its own, this
+        engine's hooks out of the way; the full report of what it saw, or None when it stayed finite."""
 
     def keep_as_context(self, frames: Iterable[Frame]) -> None:
         """Put frames into the ring, as earlier frames for later reports."""
@@ -123,6 +136,9 @@ class Feature:
     """Base class of the engine's plug-ins: every event is a no-op until overridden."""
 
     name = "feature"
+    # A feature whose flags are detections of their own (the guard's gradients, the sentinel's sums): its findings
+    # join the report even when a frame holds inf/nan too. Other features' flags (headroom) are about clean batches.
+    detects = False
 
     def attach(self, ctx: EngineContext, modules: Sequence[tuple[str, torch.nn.Module]]) -> None:
         """Watching starts on `modules` (the scope's choice); register hooks through `ctx.hooks`."""

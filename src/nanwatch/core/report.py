@@ -150,6 +150,12 @@ class Report:
         kept = tuple(s for s in self.sections if s.key != section.key)
         return replace(self, sections=tuple(sorted((*kept, section), key=lambda s: s.order)))
 
+    def with_sections(self, sections: Sequence[ReportSection]) -> Report:
+        report = self
+        for section in sections:
+            report = report.with_section(section)
+        return report
+
     @property
     def culprit(self) -> Any:
         """The first culprit (`nanwatch.core.features.culprit.Culprit`), when the culprit section is there."""

@@ -12,11 +12,13 @@ import enum
 import logging
 import operator
 import warnings
+import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal, NoReturn, TypeVar
 
 import torch
 
+from nanwatch.core.compiler import forget_compiled_code, stale_compiled_code, without_compile_wrappers
 from nanwatch.core.config import WatchConfig
 from nanwatch.core.events import EngineContext, Feature, OptimizerStage, Phase
 from nanwatch.core.features import features_for
@@ -25,11 +27,20 @@ from nanwatch.core.features.loss_scale import GradScalerLike, LossScaleFeature, 
 from nanwatch.core.features.summary import Summary, SummaryFeature
 from nanwatch.core.formats.files import prepare_report_dir, write_report
 from nanwatch.core.frames import Entry, Frame, FrameRing, Role, resolve
-from nanwatch.core.hooks import HookSet, named_unique_modules
+from nanwatch.core.hooks import HookSet, module_class_name, named_unique_modules, recomputing, reshards_after_forward
 from nanwatch.core.log import get_logger
 from nanwatch.core.ranks import Detection, DetectionBoard, Kind, world_size_and_rank
 from nanwatch.core.report import Report, ReportSection
 from nanwatch.core.scope import BatchSchedule, select_modules
+from nanwatch.core.stats.compiled import (
+    Sink,
+    ensure_registered,
+    frame_template,
+    measurements,
+    record_call,
+    record_marker,
+    traceable,
+)
 from nanwatch.core.stats.measure import Measurement, StatsCache, extra_kernels, read_flags, stack_maxima
 from nanwatch.core.walk import TooDeep, TooMany, walk
 from nanwatch.errors import BatchLimitReached, NanwatchError, NanwatchWarning, NonFiniteError
@@ -44,12 +55,18 @@ _MAX_PENDING_FRAMES = 20_000
 _INPUT_LABELS = tuple(f"input[{index}]" for index in range(16))
 _ITEM_SUFFIXES = tuple(f"[{index}]" for index in range(16))
 _PARAMETER, _INPUT, _OUTPUT = Role.PARAMETER, Role.INPUT, Role.OUTPUT
+_ROLES = {role.value: role for role in Role}
+# Keyword inputs hold flags, sizes and caches as often as tensors: only values of these kinds are looked into.
+_PLAIN_VALUES = (bool, int, float, str, type(None))
+_is_compiling = torch.compiler.is_compiling
 _F = TypeVar("_F", bound=Feature)
 
 
 def _kind(report: Report) -> Kind:
-    """What a detection rests on: a frame holding inf/nan, or only the gradients about to be applied."""
-    return "frames" if any(frame.non_finite for frame in report.frames) else "gradients"
+    """What a detection rests on: what this rank saw itself (a frame holding inf/nan, the sentinel's sum of the model's
+    output), or only the gradients about to be applied, which an all-reduce spreads to every rank."""
+    seen_here = report.section("sentinel") is not None or any(frame.non_finite for frame in report.frames)
+    return "frames" if seen_here else "gradients"
 
 
 class _Keep(enum.Enum):
@@ -74,6 +91,9 @@ class Watcher:
     ) -> None:
         found_world_size, found_rank = world_size_and_rank()
         self.model = model
+        # The module the user calls, when it wraps `model` (DDP, torch.compile): sentinel mode hooks it there, outside
+        # the wrapper's own machinery (a compiled graph), and runs `model` itself to replay.
+        self.entry: torch.nn.Module = model
         self.config = config
         self.rank = found_rank if rank is None else rank
         self.world_size = found_world_size if world_size is None else world_size
@@ -89,11 +109,20 @@ class Watcher:
         self._ring = FrameRing(config.max_frames_to_save)
         self._pending: list[Frame] = []
         self._cache = StatsCache(extra_kernels(config))
+        # Under torch.compile the hooks' records arrive here after each graph, and become frames in order (`_drain`).
+        self._sink = Sink()
+        self._draining = False
+        self._outside: list[Callable[[], Any]] = []  # adapter hooks a graph noted, run as the records are drained
+        self._modules: dict[str, torch.nn.Module] = {}  # the watched modules by name, for traced frames
+        self._batch_recorded = False  # a frame was recorded since the last training batch ended
+        self._told_nothing_recorded = False
         self._hooks = HookSet()
         self._schedule = BatchSchedule(config)
         self._features = features_for(config)
         self._ctx: EngineContext = _Context(self)
         self._held_report: Report | None = None
+        self._last_loss: weakref.ref[torch.Tensor] | None = None
+        self._replaying = False  # a watch of its own over a replay (`_rerun`)
         self._batch_started = False  # a training forward ran since the last end_batch()
         # Distributed: where ranks tell each other of a detection, with no collective (core/ranks.py).
         self._board = DetectionBoard.for_this_run(self.rank, self.world_size, config.rank_wait_s)
@@ -117,12 +146,45 @@ class Watcher:
         if self.config.report_dir is not None:
             prepare_report_dir(self.config.report_dir)  # a bad one is an error now, not a lost report later
         candidates = modules if modules is not None else named_unique_modules(self.model)
+        # A torch.compile wrapper inside the model adds no frame, and `_orig_mod` no part to the names.
+        candidates = without_compile_wrappers(candidates)
         # Scope is decided here, once: a module left out gets no hook and costs nothing.
         selected = select_modules(candidates, self.config.include_modules, self.config.exclude_modules)
-        for name, module in selected:
-            self._hooks.add_forward(module, self._make_hook(name, type(module).__name__))
+        if self.config.mode == "full":  # sentinel mode: no per-module hook (core/features/sentinel.py)
+            ensure_registered()
+            for name, module in selected:
+                # On a module FSDP2 manages, before FSDP's own forward hook frees the gathered parameters.
+                hook = self._make_hook(name, module_class_name(module))
+                handle = module.register_forward_hook(
+                    hook, with_kwargs=True, prepend=reshards_after_forward(module)
+                )  # keyword inputs are inputs too (`model(**batch)`)
+                self._hooks.add_handle(handle)
+                self._modules.setdefault(name, module)
+            # Measured together once per batch, rather than one launch per parameter (StatsCache).
+            self._cache.track_parameters(p for _, m in selected for p in m._parameters.values() if p is not None)
+            if not self._replaying:  # a replay runs the model eagerly: its compiled code is not in the way
+                self._forget_stale_compiled_code([module for _, module in selected])
         for feature in self._features:  # after the frame hooks: their hooks run once a frame is recorded
             feature.attach(self._ctx, selected)
+
+    def _forget_stale_compiled_code(self, modules: list[torch.nn.Module]) -> None:
+        """Compiled code made before these hooks existed would run without them (dynamo does not guard on hooks
+        added later), and record nothing: drop it, so the next call compiles again with the hooks in."""
+        stale = stale_compiled_code(modules)
+        if not stale:
+            return
+        if forget_compiled_code(stale):
+            self._warn(
+                "nanwatch: the model had run compiled (torch.compile) before watching began; that compiled code "
+                "does not run hooks added later, so nanwatch dropped it: the next call compiles again, with the "
+                "hooks in. Start watching before the first compiled call to avoid the recompilation."
+            )
+        else:
+            self._warn(
+                "nanwatch: the model had run compiled (torch.compile) before watching began, and this torch cannot "
+                "drop that compiled code: it will record nothing. Call torch._dynamo.reset() after starting to "
+                "watch, or start watching before the first compiled call."
+            )
 
     def close(self, *, check: bool = True, raise_detection: bool = False) -> Report | None:
         """Stop watching: check what is still pending (no collective), remove every hook, let features sum up.
@@ -142,6 +204,7 @@ class Watcher:
                     self._publish(report)
         finally:
             self._hooks.remove_all()
+            self._sink.close()
             self._cache.clear()
             for feature in self._features:
                 self._safely(f"closing {feature.name}", feature.detach, self._ctx)
@@ -161,6 +224,8 @@ class Watcher:
         counted apart, watched only with `watch_eval`). Idempotent within a micro-batch."""
         if phase not in PHASES:
             raise ValueError(f"phase can be one of {PHASES}, got {phase!r}")
+        self._drain()  # what compiled graphs recorded belongs to the batch before
+        ensure_registered()  # torch.compile may have loaded dynamo since attach
         self._set_counters(optimizer_step, epoch)
         if phase != self._phase:
             # Weights are often swapped through `.data` around evaluation (EMA), which no version counter shows.
@@ -191,6 +256,7 @@ class Watcher:
             return
         self._settle(hold=True)
         self._batch_started = False
+        self._say_if_nothing_recorded()
         self._dispatch("on_batch_end", "train", self.batch_number)  # the scale, a due summary: may raise the floor
         self.batch_number += 1
         # The optimizer may have written the weights in a way `_version` does not show (fused kernels, `p.data`).
@@ -203,6 +269,22 @@ class Watcher:
                 f"abort_after_batch_num={limit}",
                 batch_number=self.batch_number - 1,
             )
+
+    def _say_if_nothing_recorded(self) -> None:
+        """A watched training batch that recorded no frame at all: say so, once. Most often the model runs inside code
+        that torch.compile compiled before watching began (a compiled training step), which runs no hook added later."""
+        recorded, self._batch_recorded = self._batch_recorded, False
+        if recorded or self._told_nothing_recorded or not self._recording or self.config.mode != "full":
+            return
+        if not self._modules:
+            return
+        self._told_nothing_recorded = True
+        self._warn(
+            f"nanwatch: no watched module recorded anything during batch_number={self.batch_number}. If the model "
+            "runs inside code compiled by torch.compile before watching began, that code runs no hook added later: "
+            "start watching before the first compiled call, or call torch._dynamo.reset() after starting to watch. "
+            "(Said once.)"
+        )
 
     def agreement_point(self, *, hold: bool = True) -> None:
         """Check now (before backward, say) rather than at the end of the micro-batch; a detection raises as in
@@ -235,7 +317,11 @@ class Watcher:
         """Record a loss computed outside the watched modules as a frame of its own (module `(loss)`)."""
         if not self._recording or not isinstance(loss, torch.Tensor):
             return
+        if self._last_loss is not None and self._last_loss() is loss:  # told twice (the user and the adapter)
+            return
+        self._drain()  # the frames of a compiled forward come before its loss
         try:
+            self._last_loss = weakref.ref(loss)
             with torch.no_grad():
                 entry = Entry("loss", Role.LOSS, self._cache.measure(loss))
             self._pending.append(Frame("(loss)", type(loss).__name__, self.current_batch, self._phase, [entry]))
@@ -322,6 +408,7 @@ class Watcher:
 
     def recent_frames(self) -> list[Frame]:
         """The ring's frames followed by those not yet checked (for tests and tools)."""
+        self._drain()
         return self._ring.frames() + list(self._pending)
 
     def check(self) -> Report | None:
@@ -331,25 +418,51 @@ class Watcher:
     # ----------------------------------------------------------------------------------------- the hot path
 
     def _make_hook(self, name: str, class_name: str) -> Any:
-        def forward_hook(module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        token, kernels, record = self._sink.token, self._cache.kernels, self._record
+
+        def forward_hook(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
             if not self._recording:
                 return
+            if _is_compiling():
+                # Dynamo is tracing this hook: the statistics go into the graph, the bookkeeping runs after it
+                # (core/stats/compiled.py). Until `record` is registered with dynamo (it was loaded after attach),
+                # registering it is the first thing this trace does, at the cost of a graph break, once.
+                if not traceable():
+                    ensure_registered()
+                record_call(token, name, class_name, module, args, kwargs, output, kernels)
+                return
+            # A recompute of activation checkpointing (during backward) repeats a call already recorded: not a new one.
+            if recomputing():
+                return
             try:
-                self._record(name, class_name, module, args, output)
+                record(name, class_name, module, args, kwargs, output)
             except Exception as error:  # our bookkeeping must never kill a healthy run
                 self._disable(f"recording {name or type(module).__name__} failed: {error!r}")
 
         return forward_hook
 
-    def _record(self, name: str, class_name: str, module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
+    def _record(
+        self,
+        name: str,
+        class_name: str,
+        module: torch.nn.Module,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        output: Any,
+    ) -> None:
         # Runs after every module's forward, right after heavy kernels have flushed the CPU caches, where each
         # Python operation costs several times what it costs in isolation: keep the work per call minimal. No
         # `torch.no_grad()` here: measuring works on detached tensors, so it never builds a graph anyway.
+        if self._sink.queue:  # a compiled graph ran before this eager call: its frames come first
+            self._drain()
         cache = self._cache
         entries: list[Entry] = []
-        for param_name, param in module._parameters.items():
-            if param is not None:
-                entries.append(Entry(param_name, _PARAMETER, cache.parameter(param)))
+        params = module._parameters
+        if params:
+            parameter = cache.parameter
+            for param_name, param in params.items():
+                if param is not None:
+                    entries.append(Entry(param_name, _PARAMETER, parameter(param)))
         activation = cache.activation
         for index, value in enumerate(args):
             label = _INPUT_LABELS[index] if index < len(_INPUT_LABELS) else f"input[{index}]"
@@ -357,6 +470,8 @@ class Watcher:
                 entries.append(Entry(label, _INPUT, activation(value)))
             else:
                 self._add_leaves(entries, value, label, _INPUT)
+        if kwargs:
+            self._add_keyword_inputs(entries, kwargs)
         if isinstance(output, torch.Tensor):
             entries.append(Entry("output", _OUTPUT, activation(output)))
         else:
@@ -370,6 +485,18 @@ class Watcher:
             self._dispatch("on_frame", frame, module, args, output)
         if len(self._pending) > _MAX_PENDING_FRAMES:
             self._commit_if_clean()
+
+    def _add_keyword_inputs(self, entries: list[Entry], kwargs: dict[str, Any]) -> None:
+        """Keyword inputs, labelled `input.<name>`: their tensors only (None, flags and sizes get no line, so a
+        frame has the lines transformers' tool prints, and the keyword tensors after them)."""
+        activation = self._cache.activation
+        for keyword, value in kwargs.items():
+            if isinstance(value, torch.Tensor):
+                entries.append(Entry("input." + keyword, _INPUT, activation(value)))
+            elif not isinstance(value, _PLAIN_VALUES):
+                for leaf_label, leaf in walk(value, "input." + keyword):
+                    if isinstance(leaf, torch.Tensor):
+                        entries.append(Entry(leaf_label, _INPUT, activation(leaf)))
 
     def _add_leaves(self, entries: list[Entry], value: Any, label: str, role: Role) -> None:
         activation = self._cache.activation
@@ -399,23 +526,88 @@ class Watcher:
             else:
                 entries.append(Entry(leaf_label, role, note="not a tensor"))
 
+    # --------------------------------------------------------------------------------------- torch.compile
+
+    def outside_graph(
+        self, module: torch.nn.Module, hook: Callable[..., Any], *placeholders: Any
+    ) -> Callable[..., Any]:
+        """An adapter's `hook` on `module` (bookkeeping, no code for a graph), as a hook a compiled graph does not
+        trace: under torch.compile it only notes where it ran, and runs (given `placeholders` for the arguments after
+        the module) when that graph's records become frames. The root of a user's model runs its hooks outside the
+        graph anyway; a torch.nn container compiled whole (`torch.compile(nn.Sequential(...))`) does not."""
+        index = len(self._outside)
+        self._outside.append(lambda: hook(module, *placeholders))
+        token = self._sink.token
+
+        def outside(called: torch.nn.Module, *args: Any) -> Any:
+            if _is_compiling():
+                record_marker(token, index)
+                return None
+            return hook(called, *args)
+
+        return outside
+
+    def _drain(self) -> None:
+        """Turn the records compiled graphs replayed (core/stats/compiled.py) into frames, in the order of the calls,
+        and run the adapter hooks they noted (`outside_graph`) where they ran."""
+        queue = self._sink.queue
+        if not queue or self._draining:  # a hook run below may check: the records after it wait for this loop
+            return
+        self._draining = True
+        self._sink.seen = True
+        try:
+            while queue:
+                key, values = queue.popleft()
+                template = frame_template(key)
+                if template.marker is not None:
+                    self._safely("an adapter hook noted under torch.compile", self._outside[template.marker])
+                    continue
+                entries = []
+                for leaf, found in zip(template.leaves, measurements(template, values), strict=True):
+                    if isinstance(found, str):
+                        entries.append(Entry(leaf.label, _ROLES[leaf.role], note=found))
+                    else:
+                        entries.append(Entry(leaf.label, _ROLES[leaf.role], found))
+                phase = self._phase
+                batch = self.batch_number if phase == "train" else self.eval_batch_number
+                frame = Frame(template.module_name, template.class_name, batch, phase, entries)
+                self._pending.append(frame)
+                if self._tracing:
+                    self._dispatch("on_frame", frame, self._modules[frame.module_name], (), None)
+                if len(self._pending) > _MAX_PENDING_FRAMES:
+                    self._commit_if_clean()
+        except NanwatchError:
+            raise
+        except Exception as error:  # our bookkeeping must never kill a healthy run
+            self._disable(f"recording the frames of a compiled graph failed: {error!r}")
+        finally:
+            self._draining = False
+
     # ------------------------------------------------------------------------------------------ the check
 
     def _check(self) -> Report | None:
         """Look at the frames recorded since the last check (one host read per device); a report if any holds
         inf/nan. Clean frames move into the ring."""
         pending = self._pending
+        if pending and not self._batch_recorded:
+            self._batch_recorded = any(frame.module_name != "(loss)" for frame in pending)
         non_finite, tripped = self._screen(pending, features=True)
+        found = None
+        for feature in tripped:  # a feature's own flag: it reads what it needs, warns, or reports (the guard)
+            if non_finite and not feature.detects:
+                continue
+            report = feature.review(self._ctx, pending)
+            if report is not None:  # several findings: one report, every section
+                found = report if found is None else found.with_sections(report.sections)
         if not non_finite:
-            found = None
-            for feature in tripped:  # a feature's own flag: it reads what it needs, warns, or reports (the guard)
-                report = feature.review(self._ctx, pending)
-                found = found or report
             self._commit(pending)
             return found
         self._pending = []
         self._cache.forget_activations()
-        return self._report_of(pending)
+        report = self._report_of(pending)
+        if report is not None and found is not None:  # the frames lead; the features' findings come with them
+            report = report.with_sections(found.sections)
+        return report or found
 
     def _screen(self, frames: Sequence[Frame], *, features: bool) -> tuple[bool, list[Feature]]:
         """Whether any float abs max in `frames` is inf/nan, and which features' flags tripped: one read per device."""
@@ -449,14 +641,16 @@ class Watcher:
             report = feature.annotate(self._ctx, report, resolved, first)
         return report
 
-    def _gradient_report(self, section: ReportSection, module_name: str | None) -> Report:
-        """A detection in the gradients alone: the latest frames for context, and the feature's section."""
-        # The gradients belong to the micro-batch that ran last (a loop may end it before the optimizer steps).
-        batch = self.batch_number if self._batch_started or self.batch_number == 0 else self.batch_number - 1
+    def _detection_report(self, section: ReportSection, module_name: str | None) -> Report:
+        """A detection a feature made from its own flags: the latest frames for context, and the feature's section."""
+        if self._phase == "eval":
+            batch = self.eval_batch_number
+        else:  # the micro-batch that ran last (a loop may end it before the optimizer steps)
+            batch = self.batch_number if self._batch_started or self.batch_number == 0 else self.batch_number - 1
         frames = (self._ring.frames() + self._pending)[-self.config.max_frames_to_save :]
         return Report(
             batch_number=batch,
-            phase="train",
+            phase=self._phase,
             rank=self.rank,
             world_size=self.world_size,
             module_name=module_name,
@@ -465,6 +659,35 @@ class Watcher:
             epoch=self.epoch,
             sections=(section,),
         )
+
+    def _rerun(self, run: Callable[[], Any], *, batch_number: int, phase: Phase, gradients: bool) -> Report | None:
+        """Run `run()` (a forward, maybe a backward, of this model) under a full watch of its own, with this
+        engine's hooks out of the way; the report of what it saw, or None when it stayed finite."""
+        config = self.config.model_copy(
+            update={
+                "mode": "full",
+                "watch_gradients": gradients,
+                "watch_eval": True,
+                "trace_batch_nums": [],
+                "capture_on_detect": False,
+                "report_dir": None,
+                "summary_every_n_batches": None,
+                "headroom_warn_fraction": None,
+                "target_dtype": None,
+                "count_underflow": False,
+            }
+        )
+        inner = Watcher(self.model, config, rank=self.rank, world_size=1)  # world_size 1: nothing to agree on
+        inner._replaying = True
+        inner.load_state_dict({"batch_number": batch_number, "eval_batch_number": batch_number})
+        inner.start_batch(phase)
+        with self._hooks.suspended():
+            inner.attach()
+            try:
+                run()
+                return inner.check()
+            finally:
+                inner.close(check=False)
 
     def _commit(self, frames: list[Frame]) -> None:
         self._ring.extend(frames)
@@ -480,6 +703,7 @@ class Watcher:
 
     def _check_safely(self) -> Report | None:
         """The check, judged by the features; a failure in nanwatch itself disables watching instead of propagating."""
+        self._drain()
         held, self._held_report = self._held_report, None
         if held is not None:
             self._pending = []
@@ -650,6 +874,7 @@ class Watcher:
         self._disabled_reason = reason
         self._recording = self._tracing = False
         self._pending.clear()
+        self._sink.queue.clear()
         self._warn(f"nanwatch stopped watching (the run goes on): {reason}")
 
     def _dispatch(self, event: str, *args: Any) -> None:
@@ -692,10 +917,12 @@ class _Read:
 class _Context:
     """The `EngineContext` features get: a narrow view of one engine (core/events.py)."""
 
-    model, config, rank, world_size = _Read("model"), _Read("config"), _Read("rank"), _Read("world_size")
+    model, entry, config = _Read("model"), _Read("entry"), _Read("config")
+    rank, world_size = _Read("rank"), _Read("world_size")
     logger, hooks, phase, batch_number = _Read("logger"), _Read("hooks"), _Read("phase"), _Read("batch_number")
     current_batch, optimizer_step, epoch = _Read("current_batch"), _Read("optimizer_step"), _Read("epoch")
     recording, tracing, disabled_reason = _Read("recording"), _Read("_tracing"), _Read("disabled_reason")
+    guarded = _Read("_guarded")
 
     def __init__(self, engine: Watcher) -> None:
         self._engine = engine
@@ -712,6 +939,7 @@ class _Context:
 
     def add_frame(self, frame: Frame, module: torch.nn.Module) -> None:
         engine = self._engine
+        engine._drain()  # a compiled forward's frames come before this one
         engine._pending.append(frame)
         if engine._tracing:
             engine._dispatch("on_frame", frame, module, (), None)
@@ -726,8 +954,11 @@ class _Context:
         pending = self._engine._pending
         return bool(pending) and pending[-1] is frame
 
-    def gradient_report(self, section: ReportSection, module_name: str | None) -> Report:
-        return self._engine._gradient_report(section, module_name)
+    def detection_report(self, section: ReportSection, module_name: str | None) -> Report:
+        return self._engine._detection_report(section, module_name)
+
+    def rerun(self, run: Callable[[], Any], *, batch_number: int, phase: Phase, gradients: bool) -> Report | None:
+        return self._engine._rerun(run, batch_number=batch_number, phase=phase, gradients=gradients)
 
     def report_for(self, frames: Sequence[Frame]) -> Report | None:
         engine = self._engine

@@ -21,6 +21,7 @@ from tests.adapters.conformance.common import (
     Scenario,
     StepRecorder,
     eval_dataset,
+    new_loss,
     new_net,
     outcome,
     train_dataset,
@@ -50,6 +51,7 @@ class _Run:
             gradient_accumulation_steps=scenario.accumulation, cpu=True, log_with=[self.tracker]
         )
         self.net = new_net(scenario, micro_batches_done=micro_batches_done)
+        self.loss_fn = new_loss(scenario, micro_batches_done=micro_batches_done)
         optimizer = torch.optim.SGD(self.net.parameters(), lr=LEARNING_RATE)
         loader = DataLoader(train_dataset(), batch_size=BATCH_SIZE)  # prepare() shards it across ranks
         self.model, self.optimizer, self.loader = self.accelerator.prepare(self.net, optimizer, loader)
@@ -85,7 +87,10 @@ class _Run:
             with self.tracker:
                 for batch in self._micro_batches(start, stop):
                     with accelerator.accumulate(self.model):
-                        loss = self.model(batch["x"], labels=batch["labels"])["loss"]
+                        if self.loss_fn is None:
+                            loss = self.model(batch["x"], labels=batch["labels"])["loss"]
+                        else:
+                            loss = self.loss_fn(self.model(batch["x"])["logits"], batch["labels"])
                         accelerator.backward(loss)
                         self.optimizer.step()  # a no-op inside an accumulation window
                         self.optimizer.zero_grad()

@@ -48,6 +48,11 @@ class Scenario:
         watch_eval: nanwatch's `watch_eval`.
         resume_after: a first run trains this many micro-batches (whole epochs) and checkpoints the framework's own
             way; a fresh run (new model, new nanwatch object) resumes from that checkpoint.
+        mode: nanwatch's `mode` ("full" or "sentinel").
+        loss_inf_at: the training micro-batch whose loss, computed outside the model by a plain function (`F.mse_loss`
+            of the logits, as most training code does), overflows to inf while the model's output stays finite. When
+            set, every harness computes its loss that way (`FunctionalLoss`) instead of taking the model's.
+        fault_once: the fault fires only the first time micro-batch `inf_at` runs (a fault a replay cannot see).
     """
 
     inf_at: int | None = None
@@ -59,6 +64,9 @@ class Scenario:
     evaluate: bool = False
     watch_eval: bool = False
     resume_after: int | None = None
+    mode: str = "full"
+    loss_inf_at: int | None = None
+    fault_once: bool = False
 
     def __post_init__(self) -> None:
         if self.resume_after is not None and (
@@ -73,7 +81,7 @@ class Scenario:
 
     def config(self, workdir: Path) -> dict[str, Any]:
         """nanwatch's settings for this scenario: reports go to `workdir/reports`."""
-        return {"report_dir": report_dir(workdir), "watch_eval": self.watch_eval}
+        return {"report_dir": report_dir(workdir), "watch_eval": self.watch_eval, "mode": self.mode}
 
     @property
     def micro_batches(self) -> int:
@@ -98,15 +106,26 @@ class Fault(nn.Module):
     it adds inf; at training forward `raise_at` it raises the user's own `RuntimeError` (kept as `raised`).
 
     `count` is the index of the next training micro-batch; a resumed run sets it to the micro-batches already done.
+    It lives in a buffer (not saved in checkpoints), as a model's state does: a replay of a micro-batch, which puts
+    the buffers back as they were, sees the same count. With `once`, the fault fires the first time only.
     """
 
-    def __init__(self, inf_at: int | None, inf_rank: int | None, eval_inf_at: int | None, raise_at: int | None) -> None:
+    def __init__(
+        self,
+        inf_at: int | None,
+        inf_rank: int | None,
+        eval_inf_at: int | None,
+        raise_at: int | None,
+        once: bool = False,
+    ) -> None:
         super().__init__()
         self.inf_at = inf_at
         self.inf_rank = inf_rank
         self.eval_inf_at = eval_inf_at
         self.raise_at = raise_at
-        self.count = 0
+        self.once = once
+        self.fired = 0  # training forwards really given inf
+        self.register_buffer("calls", torch.zeros((), dtype=torch.int64), persistent=False)
         self.eval_count = 0
         self.eval_hits = 0  # eval forwards that really were given inf
         self.raised: RuntimeError | None = None
@@ -114,16 +133,43 @@ class Fault(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.training:
             index = self.count
-            self.count += 1
+            with torch.no_grad():
+                self.calls += 1
             if index == self.raise_at:
                 self.raised = RuntimeError(f"user bug at batch {index}")
                 raise self.raised
             hit = index == self.inf_at and (self.inf_rank is None or current_rank() == self.inf_rank)
+            hit = hit and not (self.once and self.fired)
+            self.fired += hit
         else:
             hit = self.eval_count == self.eval_inf_at
             self.eval_count += 1
             self.eval_hits += hit
         return x + float("inf") if hit else x
+
+    @property
+    def count(self) -> int:
+        return int(self.calls)
+
+    @count.setter
+    def count(self, value: int) -> None:
+        self.calls.fill_(value)
+
+
+class FunctionalLoss:
+    """`F.mse_loss(logits, labels)`, computed outside the model as most training code does; at training micro-batch
+    `inf_at` (counted by its own training calls) the logits are scaled by 1e30 first, so the loss alone is inf."""
+
+    def __init__(self, inf_at: int | None) -> None:
+        self.inf_at = inf_at
+        self.count = 0
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor, *, training: bool = True) -> torch.Tensor:
+        scale = 1.0
+        if training:
+            scale = 1e30 if self.count == self.inf_at else 1.0
+            self.count += 1
+        return nn.functional.mse_loss(logits * scale, labels)
 
 
 class Block(nn.Module):
@@ -146,7 +192,8 @@ class Net(nn.Module):
 
     def __init__(self, scenario: Scenario) -> None:
         super().__init__()
-        self.block = Block(Fault(scenario.inf_at, scenario.inf_rank, scenario.eval_inf_at, scenario.raise_at))
+        fault = Fault(scenario.inf_at, scenario.inf_rank, scenario.eval_inf_at, scenario.raise_at, scenario.fault_once)
+        self.block = Block(fault)
         self.head = nn.Linear(8, 1)
 
     @property
@@ -168,6 +215,15 @@ def new_net(scenario: Scenario, *, micro_batches_done: int = 0) -> Net:
     net = Net(scenario)
     net.fault.count = micro_batches_done
     return net
+
+
+def new_loss(scenario: Scenario, *, micro_batches_done: int = 0) -> FunctionalLoss | None:
+    """The functional loss a harness computes outside the model (`scenario.loss_inf_at`), or None: the model's own."""
+    if scenario.loss_inf_at is None:
+        return None
+    loss = FunctionalLoss(scenario.loss_inf_at)
+    loss.count = micro_batches_done
+    return loss
 
 
 class SumDataset(torch.utils.data.Dataset[dict[str, torch.Tensor]]):

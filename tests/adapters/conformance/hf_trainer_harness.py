@@ -9,14 +9,17 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import torch
 from accelerate.state import AcceleratorState, GradientState
 from tests.adapters.conformance.common import (
     BATCH_SIZE,
     LEARNING_RATE,
+    FunctionalLoss,
     Outcome,
     Scenario,
     StepRecorder,
     eval_dataset,
+    new_loss,
     new_net,
     outcome,
     train_dataset,
@@ -91,6 +94,7 @@ def _train(
         train_dataset=train_dataset(),
         eval_dataset=eval_dataset() if scenario.evaluate else None,
         callbacks=[overflow, probe],
+        compute_loss_func=_functional(new_loss(scenario, micro_batches_done=micro_batches_done)),
     )
     error: Exception | None = None
     try:
@@ -106,6 +110,17 @@ def _train(
         optimizers=probe.optimizers,
         workdir=workdir,
     )
+
+
+def _functional(loss_fn: FunctionalLoss | None) -> Any:
+    """The Trainer's `compute_loss_func` (the user's own loss, outside the model), or None: the model's loss."""
+    if loss_fn is None:
+        return None
+
+    def compute_loss(outputs: Any, labels: torch.Tensor, num_items_in_batch: Any = None) -> torch.Tensor:
+        return loss_fn(outputs["logits"], labels)
+
+    return compute_loss
 
 
 def run(scenario: Scenario, workdir: Path) -> Outcome:

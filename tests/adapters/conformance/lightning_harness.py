@@ -16,11 +16,13 @@ from tests.adapters.conformance.common import (
     BATCH_SIZE,
     LEARNING_RATE,
     MICRO_BATCHES_PER_EPOCH,
+    FunctionalLoss,
     Net,
     Outcome,
     Scenario,
     StepRecorder,
     eval_dataset,
+    new_loss,
     new_net,
     outcome,
     train_dataset,
@@ -36,11 +38,14 @@ FAULT_NAME = "net.block.fault"
 
 
 class _LitNet(pl.LightningModule):
-    def __init__(self, net: Net) -> None:
+    def __init__(self, net: Net, loss_fn: FunctionalLoss | None = None) -> None:
         super().__init__()
         self.net = net
+        self.loss_fn = loss_fn
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        if self.loss_fn is not None:  # `F.mse_loss(...)` in the training step, as most LightningModules do
+            return self.loss_fn(self.net(batch["x"])["logits"], batch["labels"])
         loss: torch.Tensor = self.net(batch["x"], labels=batch["labels"])["loss"]
         return loss
 
@@ -73,7 +78,7 @@ def _fit(
     scenario: Scenario, workdir: Path, *, epochs: int, micro_batches_done: int = 0, ckpt_path: str | None = None
 ) -> tuple[Outcome, pl.Trainer]:
     net = new_net(scenario, micro_batches_done=micro_batches_done)
-    module = _LitNet(net)
+    module = _LitNet(net, new_loss(scenario, micro_batches_done=micro_batches_done))
     overflow = OverflowCallback(scenario.config(workdir))
     recorder = StepRecorder(net)
     probe = _Probe(overflow, recorder)

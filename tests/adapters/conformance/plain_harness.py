@@ -21,6 +21,7 @@ from tests.adapters.conformance.common import (
     Scenario,
     StepRecorder,
     eval_dataset,
+    new_loss,
     new_net,
     outcome,
     train_dataset,
@@ -42,6 +43,7 @@ class _Run:
         self.scenario = scenario
         self.workdir = workdir
         self.net = new_net(scenario, micro_batches_done=micro_batches_done)
+        self.loss_fn = new_loss(scenario, micro_batches_done=micro_batches_done)
         self.ddp = DistributedDataParallel(self.net) if world_size() > 1 else None
         self.model: torch.nn.Module = self.net if self.ddp is None else self.ddp
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=LEARNING_RATE)
@@ -92,7 +94,10 @@ class _Run:
                     # DDP all-reduces gradients only on the micro-batch that ends an accumulation window.
                     syncing = contextlib.nullcontext() if last or self.ddp is None else self.ddp.no_sync()
                     with syncing:
-                        loss = self.model(batch["x"], labels=batch["labels"])["loss"] / accumulation
+                        if self.loss_fn is None:
+                            loss = self.model(batch["x"], labels=batch["labels"])["loss"] / accumulation
+                        else:  # the user's own loss, nothing told to nanwatch: the optimizer guard stands alone
+                            loss = self.loss_fn(self.model(batch["x"])["logits"], batch["labels"]) / accumulation
                         loss.backward()
                     if last:
                         self.optimizer.step()

@@ -1,5 +1,6 @@
-"""core/features/trace.py: a traced batch is logged and written to report_dir; a write that fails stops the
-writing, never the watching."""
+"""core/features/trace.py: with report_dir, a traced batch is written there and the log gets one line for it;
+without, every frame is logged; a write that fails stops the writing (the trace goes on in the log), never the
+watching."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from torch import nn
 
@@ -60,19 +62,45 @@ def test_a_full_disk_stops_the_trace_files_and_the_watching_goes_on(tmp_path: Pa
     assert "File too large" in trace_warnings[0]
     assert any("could not write the report" in w for w in outcome["warnings"])  # the report hit the limit too
     assert "Detected inf/nan during batch_number=4" in result.stderr  # ... and was logged all the same
+    # After the failure the log gets the frames themselves, under their batch's header.
+    after = result.stderr.split("stopped writing the trace", 1)[1]
+    assert "*** Starting batch number=" in after
+    assert "abs min  abs max  metadata" in after
     leftovers = [path.name for path in tmp_path.iterdir() if ".tmp-" in path.name]
     assert leftovers == []  # no temporary file left behind
     assert (tmp_path / "nanwatch-trace-rank0.txt").stat().st_size <= 1500
 
 
-def test_a_traced_batch_goes_to_the_log_and_to_both_trace_files(tmp_path: Path) -> None:
-    model = nn.Sequential(nn.Linear(2, 2))
-    with nanwatch.watch(model, trace_batch_nums=[1], report_dir=tmp_path) as handle:
-        for _ in range(3):
+def test_a_traced_batch_goes_to_both_trace_files_and_one_line_to_the_log(
+    tmp_path: Path, nanwatch_log: pytest.LogCaptureFixture
+) -> None:
+    model = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2))
+    traced = list(range(1, 11))
+    with nanwatch.watch(model, trace_batch_nums=traced, report_dir=tmp_path) as handle:
+        for _ in range(12):
             model(torch.ones(1, 2))
             handle.step()
     text = (tmp_path / "nanwatch-trace-rank0.txt").read_text()
-    assert text.count("*** Starting batch number=1 ***") == 1
-    assert "*** Starting batch number=0 ***" not in text
+    assert [text.count(f"*** Starting batch number={n} ***") for n in range(12)] == [0] + [1] * 10 + [0]
+    assert text.count(" Linear\n") == 2 * 10  # every frame is in the file
     records = (tmp_path / "nanwatch-trace-rank0.jsonl").read_text().splitlines()
-    assert {json.loads(line)["batch"] for line in records} == {1}
+    assert {json.loads(line)["batch"] for line in records} == set(traced)
+    # The log: one line per traced batch, saying where its frames went, and not one frame.
+    messages = [record.getMessage() for record in nanwatch_log.records]
+    assert messages == [
+        f"nanwatch: tracing batch_number={n} to {tmp_path / 'nanwatch-trace-rank0.txt'} and "
+        "nanwatch-trace-rank0.jsonl beside it"
+        for n in traced
+    ]
+
+
+def test_without_report_dir_every_frame_is_logged(nanwatch_log: pytest.LogCaptureFixture) -> None:
+    model = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+    with nanwatch.watch(model, trace_batch_nums=[0]) as handle:
+        model(torch.ones(1, 2))
+        handle.step()
+    messages = [record.getMessage() for record in nanwatch_log.records]
+    assert len(messages) == 3  # Linear, ReLU, the root: one record per frame, the first under the batch's header
+    assert messages[0].startswith(" " * 18 + "*** Starting batch number=0 ***\nabs min  abs max  metadata\n")
+    assert messages[1].startswith(" " * 18 + "1 ReLU\n")
+    assert not any("tracing batch_number" in message for message in messages)

@@ -12,8 +12,7 @@ between the forward and the check that finds the inf/nan.
 
 from __future__ import annotations
 
-import random
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,70 +21,9 @@ import torch
 from nanwatch.core.events import EngineContext, Feature
 from nanwatch.core.formats.replay_file import replay_file_name, save_replay_file
 from nanwatch.core.report import Report
+from nanwatch.core.runstate import autocast_state, capture_rng_states, determinism_flags
 
-__all__ = [
-    "ReplayCapture",
-    "capture_rng_states",
-    "determinism_flags",
-    "restore_rng_states",
-    "set_determinism_flags",
-]
-
-_AUTOCAST_DEVICE_TYPES = ("cpu", "cuda")
-
-
-def capture_rng_states() -> dict[str, Any]:
-    """The python, torch CPU and (if CUDA was initialised) CUDA generator states."""
-    states: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
-    # Asking for CUDA states would initialise CUDA in a CPU-only run; if it was never initialised, nothing used it.
-    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
-        states["cuda"] = torch.cuda.get_rng_state_all()
-    return states
-
-
-def restore_rng_states(states: Mapping[str, Any]) -> list[str]:
-    """Set the generators to `states`; return notes on what could not be restored (empty when all was)."""
-    notes = []
-    if "python" in states:
-        random.setstate(_as_python_state(states["python"]))
-    if "torch" in states:
-        torch.set_rng_state(states["torch"])
-    cuda_states = states.get("cuda")
-    if cuda_states:
-        if torch.cuda.is_available() and torch.cuda.device_count() >= len(cuda_states):
-            torch.cuda.set_rng_state_all(cuda_states)
-        else:
-            notes.append(f"CUDA generator states of {len(cuda_states)} device(s) not restored: CUDA not available here")
-    return notes
-
-
-def determinism_flags() -> dict[str, bool]:
-    """The switches that decide whether the same inputs give the same bits on a GPU."""
-    return {
-        "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
-        "warn_only": torch.is_deterministic_algorithms_warn_only_enabled(),
-        "cudnn_deterministic": bool(torch.backends.cudnn.deterministic),
-        "cudnn_benchmark": bool(torch.backends.cudnn.benchmark),
-    }
-
-
-def set_determinism_flags(flags: Mapping[str, bool]) -> None:
-    """Set the switches `determinism_flags()` read; missing keys are left as they are."""
-    if "deterministic_algorithms" in flags:
-        torch.use_deterministic_algorithms(
-            bool(flags["deterministic_algorithms"]), warn_only=bool(flags.get("warn_only", False))
-        )
-    if "cudnn_deterministic" in flags:
-        torch.backends.cudnn.deterministic = bool(flags["cudnn_deterministic"])
-    if "cudnn_benchmark" in flags:
-        torch.backends.cudnn.benchmark = bool(flags["cudnn_benchmark"])
-
-
-def _as_python_state(state: Any) -> Any:
-    # random.setstate wants tuples; a state that went through a file may come back with lists.
-    if isinstance(state, (list, tuple)):
-        return tuple(_as_python_state(item) for item in state)
-    return state
+__all__ = ["ReplayCapture"]
 
 
 def _clone_tree(value: Any) -> Any:
@@ -186,11 +124,7 @@ class ReplayCapture(Feature):
             self._kwargs = _clone_tree(dict(kwargs))
         self._rng = capture_rng_states()
         self._training_modes = {name: sub.training for name, sub in module.named_modules()}
-        self._autocast = {
-            device_type: str(torch.get_autocast_dtype(device_type)).replace("torch.", "")
-            for device_type in _AUTOCAST_DEVICE_TYPES
-            if torch.is_autocast_enabled(device_type)
-        }
+        self._autocast = autocast_state()
         self._grad_enabled = torch.is_grad_enabled()
         self._num_threads = torch.get_num_threads()
         self._determinism = determinism_flags()

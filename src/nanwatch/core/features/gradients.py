@@ -41,6 +41,7 @@ from torch.utils.hooks import RemovableHandle
 
 from nanwatch.core.events import EngineContext, Feature
 from nanwatch.core.frames import GRAD_PREFIX, Direction, Entry, Frame, Role
+from nanwatch.core.hooks import module_class_name, recomputing
 from nanwatch.core.stats.measure import Measurement
 from nanwatch.core.walk import walk
 
@@ -65,6 +66,7 @@ class _TensorWatch:
     consumers: list[_Role] = field(default_factory=list)  # `grad input[i]`, innermost module first
     producers: list[_Role] = field(default_factory=list)  # `grad output`, innermost module first
     handle: RemovableHandle | None = None
+    recomputed: bool = False  # first hooked in a recompute of activation checkpointing
 
 
 class GradientRecorder(Feature):
@@ -84,7 +86,7 @@ class GradientRecorder(Feature):
         self._ctx = ctx
         seen: set[int] = set()
         for name, module in modules:
-            class_name = type(module).__name__
+            class_name = module_class_name(module)
             ctx.hooks.add_forward(module, self._make_forward_hook(name, class_name))
             for param_name, param in module._parameters.items():
                 # A shared (tied) parameter is reported under the first module that owns it, once.
@@ -121,17 +123,25 @@ class GradientRecorder(Feature):
     def _hook_tensors(
         self, name: str, class_name: str, module: torch.nn.Module, args: tuple[Any, ...], output: Any
     ) -> None:
+        # A recompute of activation checkpointing (during backward) leaves the tensors the first forward hooked as
+        # they are: a non-reentrant checkpoint recomputes from the very same inputs, whose one gradient is shown once.
+        # The tensors it makes are hooked: under a reentrant checkpoint, whose first forward ran without grad,
+        # backward goes through the recomputed graph.
+        recompute = recomputing()
         outputs = list(_grad_leaves(output, "output"))
         for label, tensor in outputs:
-            self._watch(tensor).producers.append(_Role(name, class_name, module, GRAD_PREFIX + label, Role.OUTPUT))
+            watched = self._watch(tensor, recompute)
+            if watched.recomputed or not recompute:
+                watched.producers.append(_Role(name, class_name, module, GRAD_PREFIX + label, Role.OUTPUT))
         output_ids = {id(tensor) for _, tensor in outputs}
         for index, value in enumerate(args):
             for label, tensor in _grad_leaves(value, f"input[{index}]"):
                 if id(tensor) not in output_ids:  # an in-place module: its output already carries the hook
-                    role = _Role(name, class_name, module, GRAD_PREFIX + label, Role.INPUT)
-                    self._watch(tensor).consumers.append(role)
+                    watched = self._watch(tensor, recompute)
+                    if watched.recomputed or not recompute:
+                        watched.consumers.append(_Role(name, class_name, module, GRAD_PREFIX + label, Role.INPUT))
 
-    def _watch(self, tensor: torch.Tensor) -> _TensorWatch:
+    def _watch(self, tensor: torch.Tensor, recompute: bool = False) -> _TensorWatch:
         key = id(tensor)
         watched = self._tensors.get(key)
         # The same object at the same version: the same value, so the same gradient. After an in-place change the
@@ -145,7 +155,7 @@ class GradientRecorder(Feature):
             if entry is not None and entry.ref is ref:
                 del tensors[key]
 
-        watched = _TensorWatch(weakref.ref(tensor, forget), tensor._version)
+        watched = _TensorWatch(weakref.ref(tensor, forget), tensor._version, recomputed=recompute)
         watched.handle = tensor.register_hook(self._make_tensor_hook(watched))  # type: ignore[no-untyped-call]
         tensors[key] = watched
         return watched

@@ -21,8 +21,10 @@ import torch
 
 from nanwatch.core.events import EngineContext, Feature, OptimizerStage
 from nanwatch.core.frames import Frame
+from nanwatch.core.hooks import clean_name
 from nanwatch.core.optimizers import gradients_to_apply, skips_this_step
 from nanwatch.core.report import Report, ReportSection
+from nanwatch.core.stats.sharded import local_shard
 
 __all__ = ["GradientGuard", "MAX_NAMED"]
 
@@ -32,6 +34,7 @@ MAX_NAMED = 5
 
 class GradientGuard(Feature):
     name = "guard"
+    detects = True
 
     def __init__(self) -> None:
         self._names: dict[int, str] = {}
@@ -40,7 +43,8 @@ class GradientGuard(Feature):
         self._screened: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
 
     def attach(self, ctx: EngineContext, modules: Sequence[tuple[str, torch.nn.Module]]) -> None:
-        self._names = {id(param): name for name, param in ctx.model.named_parameters(remove_duplicate=False)}
+        named = ctx.model.named_parameters(remove_duplicate=False)
+        self._names = {id(param): clean_name(name) for name, param in named}  # no FSDP1 `_fsdp_wrapped_module.`
 
     def on_optimizer_step(
         self, ctx: EngineContext, stage: OptimizerStage, optimizer: torch.optim.Optimizer | None
@@ -88,20 +92,23 @@ class GradientGuard(Feature):
             "of": len(params),
         }
         owner = bad[0][0].rpartition(".")[0]
-        return ctx.gradient_report(ReportSection("gradients", 5, (line,), data, bad), owner)
+        return ctx.detection_report(ReportSection("gradients", 5, (line,), data, bad), owner)
 
     def _name(self, param: torch.Tensor, index: int) -> str:
         return self._names.get(id(param), f"(parameter {index} of the optimizer, outside the watched model)")
 
 
 def _largest_magnitudes(grads: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The largest |value| of each gradient, as 0-d device tensors (inf or nan when any value is); no host sync."""
-    dense = [grad for grad in grads if grad.layout is torch.strided and type(grad) is torch.Tensor]
+    """The largest |value| of each gradient, as 0-d device tensors (inf or nan when any value is); no host sync.
+    A DTensor gradient (FSDP2) is reduced over this rank's shard: no collective."""
+    grads = [local_shard(grad) for grad in grads]
+    # The infinity norm of an empty tensor (a rank's empty shard of a small parameter) is an error in _foreach_norm.
+    dense = [grad for grad in grads if grad.layout is torch.strided and type(grad) is torch.Tensor and grad.numel()]
     found = dict(zip(map(id, dense), torch._foreach_norm(dense, math.inf), strict=True)) if dense else {}
     out = []
     for grad in grads:
         value = found.get(id(grad))
-        if value is None:  # sparse, or a tensor subclass: reduced on its own
+        if value is None:  # sparse, empty, or a tensor subclass: reduced on its own
             data = grad.coalesce().values() if grad.is_sparse else grad
             value = data.abs().amax() if data.numel() else torch.zeros((), device=grad.device)
         out.append(value)

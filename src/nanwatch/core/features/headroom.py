@@ -239,6 +239,8 @@ class HeadroomMonitor(Feature):
         own = limits_of(measurement.dtype) if measurement.dtype is not None else None
         if own is None or value == own.max:  # exactly the max: a mask's finfo.min, as `suspicious()` says
             return []
+        if not math.isfinite(value):  # past every limit: the detection's report, not a headroom warning
+            return []
         found = []
         if self.warn_fraction is not None and value >= self.warn_fraction * own.max:
             found.append(self._finding("headroom", frame, entry, measurement, value, own.max / value, own))

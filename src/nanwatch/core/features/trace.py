@@ -1,5 +1,8 @@
-"""Tracing (`trace_batch_nums`): every frame of a traced batch is logged as it is recorded, and written to
-`report_dir/nanwatch-trace-rank{R}.txt` and `.jsonl` there.
+"""Tracing (`trace_batch_nums`): every frame of a traced batch is written out as it is recorded.
+
+With `report_dir`, the frames go to `report_dir/nanwatch-trace-rank{R}.txt` and `.jsonl`, and the log gets one line
+per traced batch saying where they went (a traced batch is hundreds of lines: on stderr they would bury everything
+else). Without `report_dir`, or once a write there has failed, every frame is logged instead.
 
 The slow path: each traced frame is read back on its own. Its tensors are still alive, so statistics that are only
 measured while tracing (nan/inf counts of the lines whose abs max is inf or nan) are measured here. The engine
@@ -10,12 +13,13 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from nanwatch.core.events import EngineContext, Feature, Phase
-from nanwatch.core.formats.files import append_trace, append_trace_records
+from nanwatch.core.formats.files import append_trace, append_trace_records, trace_paths
 from nanwatch.core.formats.jsonl import trace_records
 from nanwatch.core.frames import Frame, ResolvedEntry, ResolvedFrame, resolve
 from nanwatch.core.report import TABLE_HEADER, format_batch_start, format_frame
@@ -37,41 +41,55 @@ class TraceFeature(Feature):
     def on_frame(
         self, ctx: EngineContext, frame: Frame, module: torch.nn.Module, args: tuple[Any, ...], output: Any
     ) -> None:
-        lines = []
         # Each traced batch opens with its own header, consecutive ones (149 and 150) included.
-        if self._batch != frame.batch_number:
+        opens_batch = self._batch != frame.batch_number
+        if opens_batch:
             self._batch = frame.batch_number
             self._frames = 0
-            lines += [format_batch_start(frame.batch_number, ctx.rank, ctx.world_size), TABLE_HEADER]
+        header = [format_batch_start(frame.batch_number, ctx.rank, ctx.world_size), TABLE_HEADER]
         resolved = resolve([frame])[0]
-        lines.append(format_frame(resolved))
-        text = "\n".join(lines)
-        ctx.logger.info(text)
+        frame_text = format_frame(resolved)
+        text = "\n".join([*header, frame_text] if opens_batch else [frame_text])
         report_dir = ctx.config.report_dir
-        if report_dir is not None and not self._files_failed:
-            try:
-                append_trace(report_dir, ctx.rank, text)
-                resolved = _measure_traced(resolved, module, args, output)
-                records = trace_records(
-                    resolved,
-                    frame_index=self._frames,
-                    rank=ctx.rank,
-                    world_size=ctx.world_size,
-                    optimizer_step=ctx.optimizer_step,
-                    epoch=ctx.epoch,
-                )
-                append_trace_records(report_dir, ctx.rank, records)
-            except (OSError, ValueError) as error:  # a full disk, a quota, a file where the folder was
-                # Writing stops; watching does not: a trace file is never worth missing the inf/nan it leads to.
-                self._files_failed = True
-                message = f"nanwatch stopped writing the trace to {report_dir} (watching goes on): {error}"
-                ctx.logger.warning(message)
-                warnings.warn(message, NanwatchWarning, stacklevel=2)
+        if report_dir is None or self._files_failed:
+            ctx.logger.info(text)
+            self._frames += 1
+            return
+        try:
+            append_trace(report_dir, ctx.rank, text)
+            resolved = _measure_traced(resolved, module, args, output)
+            records = trace_records(
+                resolved,
+                frame_index=self._frames,
+                rank=ctx.rank,
+                world_size=ctx.world_size,
+                optimizer_step=ctx.optimizer_step,
+                epoch=ctx.epoch,
+            )
+            append_trace_records(report_dir, ctx.rank, records)
+        except (OSError, ValueError) as error:  # a full disk, a quota, a file where the folder was
+            # Writing stops; watching does not: a trace file is never worth missing the inf/nan it leads to. The
+            # trace goes on in the log, from this frame on, under its batch's header.
+            self._files_failed = True
+            message = f"nanwatch stopped writing the trace to {report_dir} (watching goes on): {error}"
+            ctx.logger.warning(message)
+            warnings.warn(message, NanwatchWarning, stacklevel=2)
+            ctx.logger.info("\n".join([*header, frame_text]))
+        else:
+            if opens_batch:
+                ctx.logger.info(_where_it_went(frame, ctx.rank, ctx.world_size, *trace_paths(report_dir, ctx.rank)))
         self._frames += 1
 
     def on_batch_end(self, ctx: EngineContext, phase: Phase, batch_number: int) -> None:
         if phase == "eval":  # an evaluation inside a traced batch: the batch's header opens its frames again
             self._batch = None
+
+
+def _where_it_went(frame: Frame, rank: int, world_size: int, text_path: Path, jsonl_path: Path) -> str:
+    """The one line the log gets for a batch traced to files."""
+    counter = "eval_batch_number" if frame.phase == "eval" else "batch_number"
+    where = f" on rank {rank}" if world_size > 1 else ""
+    return f"nanwatch: tracing {counter}={frame.batch_number}{where} to {text_path} and {jsonl_path.name} beside it"
 
 
 def _measure_traced(

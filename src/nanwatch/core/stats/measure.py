@@ -17,6 +17,7 @@ from nanwatch.core.config import WatchConfig
 from nanwatch.core.stats.base import Kernel, Values
 from nanwatch.core.stats.kernels import ABS_KEEPS_DTYPE, FLOAT8_DTYPES
 from nanwatch.core.stats.registry import extras, lead
+from nanwatch.core.stats.sharded import local_shard
 
 __all__ = [
     "Measurement",
@@ -72,6 +73,8 @@ def extra_kernels(config: WatchConfig) -> ExtraKernels:
 
 def measure(tensor: torch.Tensor, kernels: ExtraKernels = ()) -> Measurement:
     """Launch the kernels of every statistic for `tensor`; never raises for odd tensors, says why instead."""
+    if type(tensor) is not torch.Tensor:  # a DTensor: this rank's shard, so no read of it runs a collective
+        tensor = local_shard(tensor)
     measurement = _measure_range(tensor)
     if kernels and measurement.abs_max is not None:
         data = tensor.detach()
@@ -83,6 +86,63 @@ def measure(tensor: torch.Tensor, kernels: ExtraKernels = ()) -> Measurement:
         if found:
             measurement.extra = found
     return measurement
+
+
+# measure_together(): tensors of up to this many elements are stacked with others of their shape and dtype; a stack
+# holds up to _STACK_ELEMENTS elements (so its copy stays small), larger tensors are measured one by one (their
+# kernels dominate their launch cost anyway).
+_STACK_MAX_NUMEL = 1 << 16
+_STACK_ELEMENTS = 1 << 22
+_STACKED_DTYPES = frozenset((torch.float32, torch.float16, torch.bfloat16, torch.float64))
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def measure_together(tensors: Sequence[torch.Tensor], kernels: ExtraKernels = ()) -> list[Measurement]:
+    """`measure()` of each tensor, with the lead statistic launched for many at once: small floating-point tensors of
+    one device, dtype and shape are stacked and reduced in one go (three kernel launches per stack, not two per
+    tensor). For the parameters of a model of many small layers, where launching kernels costs more than running
+    them. The numbers are those of `measure()` (a min and a max are exact however they are grouped)."""
+    found: list[Measurement | None] = [None] * len(tensors)
+    groups: dict[tuple[torch.device, torch.dtype, torch.Size], list[int]] = {}
+    for index, tensor in enumerate(tensors):
+        if (
+            type(tensor) in _PLAIN
+            and tensor.dtype in _STACKED_DTYPES
+            and tensor.layout is torch.strided
+            and not tensor.is_meta
+            and 0 < tensor.numel() <= _STACK_MAX_NUMEL
+        ):
+            groups.setdefault((tensor.device, tensor.dtype, tensor.shape), []).append(index)
+    with torch.no_grad():  # no graph for the stacks of parameters that require grad
+        for (_device, dtype, shape), indices in groups.items():
+            if len(indices) < 2:
+                continue
+            per_stack = max(2, _STACK_ELEMENTS // max(1, shape.numel()))
+            for start in range(0, len(indices), per_stack):
+                chunk = indices[start : start + per_stack]
+                stacked = torch.stack([tensors[index] for index in chunk])
+                # min and max along a row propagate nan, as a whole-tensor aminmax does
+                lows, highs = torch.aminmax(stacked.abs_().view(len(chunk), -1), dim=1)
+                for index, low, high in zip(chunk, lows.unbind(), highs.unbind(), strict=True):
+                    found[index] = Measurement(low, high, dtype, shape)
+    measurements = []
+    for index, tensor in enumerate(tensors):
+        measurement = found[index]
+        if measurement is None:
+            measurement = measure(tensor, kernels)
+        elif kernels:
+            measurement.extra = _extras(tensor.detach(), kernels)
+        measurements.append(measurement)
+    return measurements
+
+
+def _extras(data: torch.Tensor, kernels: ExtraKernels) -> dict[str, torch.Tensor] | None:
+    found = {}
+    for name, kernel in kernels:
+        vector = kernel(data)
+        if vector is not None:
+            found[name] = vector
+    return found or None
 
 
 def _measure_range(tensor: torch.Tensor) -> Measurement:
@@ -211,19 +271,23 @@ def _stack_rows(vectors: Sequence[torch.Tensor]) -> list[list[int | float]]:
 # -------------------------------------------------------------------------------------------------------- cache
 
 
-def _fingerprint(tensor: torch.Tensor) -> tuple[int, torch.dtype, int]:
-    """What changes when a tensor's values may have: its version, and its storage and dtype (`.data =` assignment,
-    as `model.half()` and `.to()` do, keeps both the object and its `_version`)."""
+def _pointer(tensor: torch.Tensor) -> int:
     try:
-        pointer = tensor.data_ptr()
+        return tensor.data_ptr()
     except RuntimeError:  # a wrapper subclass (DTensor) has no storage of its own
-        pointer = -1
-    return tensor._version, tensor.dtype, pointer
+        return 0
 
 
 def _view_root(tensor: torch.Tensor) -> torch.Tensor:
     base = tensor._base
     return tensor if base is None else base
+
+
+# A parameter's measurement, valid while the parameter is the same object with the same version, storage and dtype
+# (`.data =` assignment, as `model.half()` and `.to()` do, keeps both the object and its `_version`).
+_ParamHit = tuple[torch.Tensor, int, int, torch.dtype, Measurement]
+# An activation's measurement: a weak reference to the tensor measured, its version and storage then.
+_ActivationHit = tuple["weakref.ref[torch.Tensor]", int, int, Measurement]
 
 
 class StatsCache:
@@ -236,66 +300,121 @@ class StatsCache:
     the engine calls `forget_parameters()` between training batches for them. Activations are held by weak
     reference, so the cache never keeps a tensor alive; parameters live as long as the model anyway.
 
+    The parameters given to `track_parameters()` are measured together, in a handful of kernel launches, when the
+    first of them is asked for after `forget_parameters()` (`measure_together`): once per batch, not one launch per
+    parameter.
+
     Args:
         kernels: the other statistics' kernels measured in this run (`extra_kernels(config)`).
     """
 
     def __init__(self, kernels: ExtraKernels = ()) -> None:
         self._kernels = kernels
-        self._params: dict[int, tuple[torch.Tensor, tuple[int, torch.dtype, int], Measurement]] = {}
-        self._activations: dict[object, tuple[weakref.ref[torch.Tensor], int, Measurement]] = {}
+        self._params: dict[int, _ParamHit] = {}
+        self._tracked: list[torch.Tensor] = []
+        self._tracked_measured = False
+        # By identity: the usual case (one module's output object is the next one's input), a cheap lookup.
+        self._by_id: dict[int, _ActivationHit] = {}
+        # By where the values live: views sharing a measurement (see `_activation_miss`).
+        self._activations: dict[object, _ActivationHit] = {}
+
+    @property
+    def kernels(self) -> ExtraKernels:
+        return self._kernels
 
     def measure(self, tensor: torch.Tensor) -> Measurement:
         """Measure without remembering (a loss, a gradient)."""
         return measure(tensor, self._kernels)
 
+    def track_parameters(self, params: Iterable[torch.Tensor]) -> None:
+        """The parameters the hooks will ask for (those of the watched modules), to be measured together."""
+        self._tracked = list({id(param): param for param in params}.values())
+        self._tracked_measured = False
+
     def parameter(self, param: torch.Tensor) -> Measurement:
-        if param.is_inference():  # inference tensors keep no version counter (a model built under inference_mode)
+        hit = self._params.get(id(param))
+        if hit is not None and hit[0] is param:
+            try:
+                version = param._version
+            except RuntimeError:  # an inference tensor (a model built under inference_mode) keeps no version
+                return measure(param, self._kernels)
+            if version == hit[1] and param.dtype is hit[3] and _pointer(param) == hit[2]:
+                return hit[4]
+        return self._parameter_miss(param)
+
+    def _parameter_miss(self, param: torch.Tensor) -> Measurement:
+        if param.is_inference():  # no version counter: measured every time
             return measure(param, self._kernels)
-        key = id(param)
-        fingerprint = _fingerprint(param)
-        hit = self._params.get(key)
-        if hit is not None and hit[0] is param and hit[1] == fingerprint:
-            return hit[2]
+        if not self._tracked_measured and self._tracked:
+            # The first parameter of this batch: measure every tracked one now, together.
+            self._tracked_measured = True
+            self._measure_tracked()
+            hit = self._params.get(id(param))
+            if hit is not None and hit[0] is param and hit[1] == param._version and _pointer(param) == hit[2]:
+                return hit[4]
         measurement = measure(param, self._kernels)
-        self._params[key] = (param, fingerprint, measurement)
+        self._params[id(param)] = (param, param._version, _pointer(param), param.dtype, measurement)
         return measurement
 
+    def _measure_tracked(self) -> None:
+        params = [param for param in self._tracked if not param.is_inference()]
+        for param, measurement in zip(params, measure_together(params, self._kernels), strict=True):
+            self._params[id(param)] = (param, param._version, _pointer(param), param.dtype, measurement)
+
     def activation(self, tensor: torch.Tensor) -> Measurement:
-        # Inference tensors keep no version counter; nested tensors have no shape or stride to key on.
-        if tensor.is_inference() or tensor.is_nested:
-            return measure(tensor, self._kernels)
-        version = tensor._version
         try:
-            pointer = tensor.data_ptr()
-        except RuntimeError:  # a wrapper subclass (DTensor) has no storage of its own
-            pointer = 0
+            version = tensor._version
+        except RuntimeError:  # an inference tensor keeps no version counter: measured every time
+            return measure(tensor, self._kernels)
+        hit = self._by_id.get(id(tensor))
+        # The weak reference is alive, so the memory of the tensor measured cannot have been reused. Without storage
+        # to compare (pointer 0), the dtype at least.
+        if (
+            hit is not None
+            and hit[0]() is tensor
+            and hit[1] == version
+            and hit[2] == _pointer(tensor)
+            and (hit[2] or hit[3].dtype == tensor.dtype)
+        ):
+            return hit[3]
+        return self._activation_miss(tensor, version)
+
+    def _activation_miss(self, tensor: torch.Tensor, version: int) -> Measurement:
+        if tensor.is_nested:  # no shape or stride to key on
+            return measure(tensor, self._kernels)
+        pointer = _pointer(tensor)
         # Keyed by where the values live, so a view with the same layout (`hidden[:, -n:, :]` with n the length,
         # `input_ids.view(-1, n)`) shares the measurement of the tensor it views; transformers models pass such views
         # between modules, and the logits too. Only views of one base count (they share its version counter, so an
         # in-place change through either is seen); `.data` aliases have counters of their own and are measured
-        # apart. Storage-less tensors fall back to identity.
-        key: object = (pointer, tensor.dtype, tensor.shape, tensor.stride()) if pointer else id(tensor)
-        hit = self._activations.get(key)
-        if hit is not None and hit[1] == version:
-            seen = hit[0]()  # alive, so its memory cannot have been freed and reused by the tensor looked up
-            if seen is tensor:
-                if pointer or hit[2].dtype == tensor.dtype:
-                    return hit[2]
-            elif seen is not None and pointer and _view_root(seen) is _view_root(tensor):
-                return hit[2]  # views of one base share one version counter: equal versions, equal values
+        # apart. Storage-less tensors (pointer 0) are known by identity only.
+        key: object = None
+        if pointer:
+            key = (pointer, tensor.dtype, tensor.shape, tensor.stride())
+            hit = self._activations.get(key)
+            if hit is not None and hit[1] == version:
+                seen = hit[0]()
+                if seen is not None and (seen is tensor or _view_root(seen) is _view_root(tensor)):
+                    # views of one base share one version counter: equal versions, equal values
+                    self._by_id[id(tensor)] = (weakref.ref(tensor), version, pointer, hit[3])
+                    return hit[3]
         measurement = measure(tensor, self._kernels)
-        self._activations[key] = (weakref.ref(tensor), version, measurement)
+        entry = (weakref.ref(tensor), version, pointer, measurement)
+        self._by_id[id(tensor)] = entry
+        if key is not None:
+            self._activations[key] = entry
         return measurement
 
     def forget_parameters(self) -> None:
         """Drop parameter entries (between training batches), for writes no fingerprint sees: fused optimizers."""
         self._params.clear()
+        self._tracked_measured = False
 
     def forget_activations(self) -> None:
         """Drop activation entries (at the end of each batch), so ids of freed tensors are not reused by mistake."""
+        self._by_id.clear()
         self._activations.clear()
 
     def clear(self) -> None:
-        self._params.clear()
-        self._activations.clear()
+        self.forget_parameters()
+        self.forget_activations()

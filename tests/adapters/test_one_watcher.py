@@ -1,0 +1,132 @@
+"""One watcher per model: the plain handle removes its hooks when it raises, and a new `watch()` on a model that an
+earlier handle still watches closes that handle (with a warning) before attaching its own."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from nanwatch import BatchLimitReached, NanwatchWarning, NonFiniteError, watch
+
+TAKE_OVER = r"earlier watch\(\) handle still watches \(at its batch_number=(\d+)\)"
+
+
+class Scale(nn.Module):
+    """Multiplies by `factor`; inf makes this module's output inf."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.factor = 1.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.factor
+
+
+def _model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), Scale(), nn.Linear(8, 1))
+
+
+def _hooks(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> int:
+    count = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+    if optimizer is not None:
+        count += len(optimizer._optimizer_step_pre_hooks) + len(optimizer._optimizer_step_post_hooks)
+    return count
+
+
+def _run(model: nn.Sequential, optimizer: torch.optim.Optimizer, batches: int, bad_at: int) -> None:
+    """A run without `with`: a training loop whose batch `bad_at` goes inf in `model[2]`."""
+    handle = watch(model, optimizer=optimizer)
+    model[2].factor = 1.0
+    optimizer.zero_grad()  # the gradients the stopped step of an earlier run left behind
+    for batch in range(batches):
+        if batch == bad_at:
+            model[2].factor = math.inf
+        model(torch.randn(2, 4)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        handle.step()
+
+
+def test_a_second_watch_after_an_error_without_with_reports_the_new_runs_batch_number() -> None:
+    # Before: the first handle kept its hooks after raising, and raised again for the new run's nan with its own
+    # batch number (5 instead of 7).
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    with pytest.raises(NonFiniteError) as first:
+        _run(model, optimizer, batches=6, bad_at=5)
+    assert first.value.batch_number == 5
+    assert _hooks(model, optimizer) == 0  # removed as the error was raised, though nothing closed the handle
+    with pytest.raises(NonFiniteError) as second:  # no NanwatchWarning: nothing was left to take over
+        _run(model, optimizer, batches=8, bad_at=7)
+    assert second.value.batch_number == 7
+    assert _hooks(model, optimizer) == 0
+
+
+def test_a_second_watch_on_a_model_still_watched_closes_the_first_with_a_warning() -> None:
+    model = _model()
+    first = watch(model)
+    alone = _hooks(model)
+    model(torch.randn(2, 4))
+    first.step()
+    with pytest.warns(NanwatchWarning, match=TAKE_OVER) as warned:
+        second = watch(model)
+    assert warned[0].filename == __file__  # the warning points at the watch() call
+    assert "batch_number=1" in str(warned[0].message)
+    assert _hooks(model) == alone  # the second handle's hooks only
+    with pytest.raises(RuntimeError, match="closed"):
+        first.step()
+    model(torch.randn(2, 4))
+    second.step()
+    assert (second.batch_number, first.batch_number) == (1, 1)
+    second.close()
+    assert _hooks(model) == 0
+
+
+def test_watching_the_whole_model_takes_over_from_a_handle_on_one_of_its_modules() -> None:
+    model = _model()
+    part = watch(model[0])
+    with pytest.warns(NanwatchWarning, match=TAKE_OVER):
+        whole = watch(model)
+    assert _hooks(model[0]) == 1  # the whole model's frame hook; the part's hooks (3) are gone
+    whole.close()
+    part.close()  # closed already: nothing to do
+    assert _hooks(model) == 0
+
+
+def test_handles_on_separate_models_leave_each_other_alone() -> None:
+    first_model, second_model = _model(), _model()
+    with watch(first_model) as first, watch(second_model) as second:  # no NanwatchWarning
+        first_model(torch.randn(2, 4))
+        second_model(torch.randn(2, 4))
+        first.step()
+        second.step()
+        assert _hooks(first_model) > 0
+        assert _hooks(second_model) > 0
+
+
+def test_an_error_raised_at_the_optimizer_step_removes_the_optimizers_hooks_too() -> None:
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    handle = watch(model, optimizer=optimizer)
+    model[2].factor = math.inf
+    model(torch.randn(2, 4)).sum().backward()
+    with pytest.raises(NonFiniteError):
+        optimizer.step()
+    assert _hooks(model, optimizer) == 0
+    handle.step()  # the handle goes on counting, recording nothing
+    assert handle.batch_number == 1
+    model[2].factor = 1.0
+    optimizer.step()  # no hook of ours is left to stop the user's next step
+
+
+def test_the_batch_limit_removes_the_hooks_without_a_with_block() -> None:
+    model = _model()
+    handle = watch(model, abort_after_batch_num=0)
+    model(torch.randn(2, 4))
+    with pytest.raises(BatchLimitReached):
+        handle.step()
+    assert _hooks(model) == 0

@@ -1,0 +1,380 @@
+"""core/features/sentinel.py: sentinel mode on the plain loop, against full mode.
+
+The replay of the failing micro-batch must give, value for value, the frames full mode records for it: on every
+model of the differential tests (which full mode matches transformers' tool on), with BatchNorm and Dropout, for a nan
+born in backward inside a gradient accumulation window, and under fp16 autocast with a GradScaler. The buffers and the
+random generators end as they were; only the current window's inputs are kept; bad input is refused clearly; a
+replay that itself fails leaves the detection standing.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import random
+import weakref
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from tests.backward_faults import NanInBackward
+from tests.test_watch_differential import SCENARIOS, SEED
+from torch import nn
+
+import nanwatch
+from nanwatch import ConfigError, NonFiniteError, WatchConfig
+
+REPLAYED = "reproduced by replaying micro-batch"
+
+
+def _report_frames(report_dir: Path, batch: int) -> list[dict[str, Any]]:
+    path = report_dir / f"nanwatch-report-rank0-batch{batch}.json"
+    frames: list[dict[str, Any]] = json.loads(path.read_text(encoding="utf-8"))["frames"]
+    return [frame for frame in frames if frame["batch_number"] == batch]
+
+
+# ------------------------------------------------------------------------------ the differential models
+
+# Values a later module maps back into range never reach the output: an inf an in-place ReLU overwrites, an inf a
+# Tanh saturates to 1. Full mode sees them in the frame recorded when they were made; sentinel mode, which watches no
+# module, sees them only once they reach the output, the loss or (in training, as nan) the gradients. The README's
+# "how to choose a mode" says so.
+HIDDEN_FROM_THE_OUTPUT = ("mlp-inf-hidden-by-inplace-relu", "twice-inf-batch1")
+SEEN_BY_SENTINEL = sorted(name for name in SCENARIOS if name not in HIDDEN_FROM_THE_OUTPUT)
+
+
+def _run_scenario(name: str, mode: str, report_dir: Path) -> NonFiniteError:
+    scenario = SCENARIOS[name]
+    torch.manual_seed(SEED)
+    model = scenario.build()
+    torch.manual_seed(SEED + 1)
+    with nanwatch.watch(model, mode=mode, report_dir=report_dir, max_frames_to_save=200) as handle:
+        for index in range(scenario.batches):
+            scenario.forward(model, index)
+            try:
+                handle.step()
+            except NonFiniteError as error:
+                assert index == scenario.detect_batch
+                return error
+            scenario.update(model)
+    raise AssertionError(f"{mode}: nothing detected in {name}")
+
+
+@pytest.mark.parametrize("name", SEEN_BY_SENTINEL)
+def test_the_replay_records_the_frames_full_mode_records(name: str, tmp_path: Path) -> None:
+    full = _run_scenario(name, "full", tmp_path / "full")
+    sentinel = _run_scenario(name, "sentinel", tmp_path / "sentinel")
+
+    batch = SCENARIOS[name].detect_batch
+    assert (
+        (sentinel.batch_number, sentinel.module_name)
+        == (full.batch_number, full.module_name)
+        == (
+            batch,
+            SCENARIOS[name].culprit,
+        )
+    )
+    assert REPLAYED in sentinel.report
+    replayed = _report_frames(tmp_path / "sentinel", batch)
+    assert replayed == _report_frames(tmp_path / "full", batch)
+    assert replayed, "no frame of the failing batch"
+    assert str(sentinel.culprit) == str(full.culprit)
+
+
+@pytest.mark.parametrize("name", HIDDEN_FROM_THE_OUTPUT)
+def test_an_inf_that_never_reaches_the_output_is_not_seen_by_the_sentinel(name: str) -> None:
+    scenario = SCENARIOS[name]
+    torch.manual_seed(SEED)
+    model = scenario.build()
+    with nanwatch.watch(model, mode="sentinel") as handle:
+        for index in range(scenario.batches):
+            scenario.forward(model, index)
+            handle.step()  # the output stays finite: nothing to see
+            scenario.update(model)
+    assert handle.batch_number == scenario.batches
+
+
+# ------------------------------------------------------------------------------ BatchNorm and Dropout
+
+
+class Blowup(nn.Module):
+    """Multiplies by 1e39 (inf in float32) when its input's first value is above `threshold`."""
+
+    def __init__(self, threshold: float) -> None:
+        super().__init__()
+        self.threshold = threshold
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 1e39 if float(x[0, 0]) > self.threshold else x
+
+
+def _bn_dropout_net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Dropout(0.3), Blowup(1.5), nn.Linear(16, 1)
+    )
+
+
+def _train(model: nn.Module, mode: str, report_dir: Path, steps: int = 8) -> tuple[NonFiniteError, int]:
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    torch.manual_seed(1)
+    random.seed(1)
+    with nanwatch.watch(model, optimizer=optimizer, mode=mode, report_dir=report_dir) as handle:
+        for index in range(steps):
+            x = torch.randn(6, 8, generator=torch.Generator().manual_seed(index))
+            y = torch.randn(6, 1, generator=torch.Generator().manual_seed(100 + index))
+            loss = nn.functional.mse_loss(model(x), y)  # dropout draws from the global generator
+            loss.backward()
+            try:
+                optimizer.step()
+            except NonFiniteError as error:
+                return error, index
+            optimizer.zero_grad()
+            handle.step()
+    raise AssertionError(f"{mode}: nothing detected")
+
+
+def test_batchnorm_and_dropout_replay_exactly_and_the_buffers_end_as_they_were(tmp_path: Path) -> None:
+    full_model, sentinel_model = _bn_dropout_net(), _bn_dropout_net()
+    full, full_at = _train(full_model, "full", tmp_path / "full")
+    full_rng = torch.get_rng_state()
+    sentinel, sentinel_at = _train(sentinel_model, "sentinel", tmp_path / "sentinel")
+    sentinel_rng = torch.get_rng_state()
+
+    assert full_at == sentinel_at == full.batch_number == sentinel.batch_number
+    assert full_at > 0, "the fault must come after a few steps, so the running stats have moved"
+    assert sentinel.module_name == full.module_name == "4"
+    assert REPLAYED in sentinel.report
+    frames = _report_frames(tmp_path / "sentinel", full_at)
+    assert frames == _report_frames(tmp_path / "full", full_at)
+    assert any(frame["class"] == "Dropout" for frame in frames)
+    # The replay put the running stats back as the run left them, and the generators too: the two runs are the same.
+    for (name, a), (_, b) in zip(full_model.state_dict().items(), sentinel_model.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name
+    assert torch.equal(full_rng, sentinel_rng), "the replay left the random generator moved"
+
+
+# ------------------------------------------------------------------------------ backward, accumulation window
+
+
+class BackwardFaultAt(nn.Module):
+    """A nan gradient in backward when its input holds a value above `threshold` (the forward is the identity)."""
+
+    def __init__(self, threshold: float) -> None:
+        super().__init__()
+        self.threshold = threshold
+        self.nan = NanInBackward()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.nan(x) if float(x.abs().max()) > self.threshold else x
+
+
+def _accumulating(mode: str, report_dir: Path, *, watch_gradients: bool) -> tuple[NonFiniteError, list[int]]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), BackwardFaultAt(50.0), nn.Tanh(), nn.Linear(8, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    inputs = [torch.randn(2, 4) for _ in range(6)]
+    inputs[4][0, 0] = 1e3  # micro-batch 4: the second of the window {3, 4, 5}
+    stepped: list[int] = []
+    options: dict[str, Any] = {"watch_gradients": True} if watch_gradients else {}
+    with nanwatch.watch(model, optimizer=optimizer, mode=mode, report_dir=report_dir, **options) as handle:
+        for index, x in enumerate(inputs):
+            model(x).sum().div(3).backward()
+            try:
+                if index % 3 == 2:
+                    optimizer.step()
+                    optimizer.zero_grad()
+                    stepped.append(index)
+                handle.step()
+            except NonFiniteError as error:
+                return error, stepped
+    raise AssertionError(f"{mode}: nothing detected")
+
+
+def test_a_nan_born_in_backward_is_replayed_through_the_window_until_it_reproduces(tmp_path: Path) -> None:
+    sentinel, stepped = _accumulating("sentinel", tmp_path / "sentinel", watch_gradients=False)
+
+    assert stepped == [2], "the step of the window {3, 4, 5} ran"
+    assert sentinel.batch_number == 4  # found by replaying 3, then 4 (detected at 5's step)
+    assert f"{REPLAYED} 4 " in sentinel.report
+    assert "non-finite gradients about to be applied" in sentinel.report
+    full, _ = _accumulating("full", tmp_path / "full", watch_gradients=True)
+    assert full.batch_number == 4
+    replayed = _report_frames(tmp_path / "sentinel", 4)
+    # The replay's backward goes through `torch.autograd.grad` (no `.grad` is touched, no DDP hook fires): every
+    # module's gradient frame is there, value for value; the parameters' own `.grad` lines are not.
+    assert replayed == _without_parameter_gradients(_report_frames(tmp_path / "full", 4))
+    assert any(frame["class"].endswith("(backward)") for frame in replayed)
+    assert "parameters' .grad lines are not recorded" in sentinel.report
+
+
+def _without_parameter_gradients(frames: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    kept = []
+    for frame in frames:
+        entries = [entry for entry in frame["entries"] if entry["label"] not in ("grad weight", "grad bias")]
+        if entries:
+            kept.append({**frame, "entries": entries})
+    return kept
+
+
+# ------------------------------------------------------------------------------ fp16 and a GradScaler
+
+
+def test_fp16_autocast_with_a_grad_scaler_replays_under_the_same_autocast(tmp_path: Path) -> None:
+    def run(mode: str) -> NonFiniteError:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 8), nn.Linear(8, 1))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        scaler = torch.amp.GradScaler("cpu")  # 65536: the first steps overflow and are skipped, as expected
+        with nanwatch.watch(model, optimizer=optimizer, scaler=scaler, mode=mode, report_dir=tmp_path / mode) as h:
+            for index in range(6):
+                x = torch.randn(2, 4, generator=torch.Generator().manual_seed(index))
+                if index == 4:
+                    x = x * 3e4  # float16 overflows in the second Linear
+                with torch.autocast("cpu", dtype=torch.float16):
+                    out = model(x)
+                scaler.scale(out.float().sum()).backward()
+                try:
+                    scaler.step(optimizer)  # checked here, or (a step the scaler skips) in h.step()
+                    scaler.update()
+                    optimizer.zero_grad()
+                    h.step()
+                except NonFiniteError as error:
+                    return error
+        raise AssertionError(f"{mode}: nothing detected")
+
+    full, sentinel = run("full"), run("sentinel")
+    assert sentinel.batch_number == full.batch_number == 4
+    assert sentinel.module_name == full.module_name
+    assert REPLAYED in sentinel.report
+    frames = _report_frames(tmp_path / "sentinel", 4)
+    assert frames == _report_frames(tmp_path / "full", 4)
+    assert {entry["dtype"] for frame in frames for entry in frame["entries"]} >= {"float16"}
+
+
+# ------------------------------------------------------------------------------ memory
+
+
+def test_only_the_current_windows_inputs_are_kept() -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    kept: list[weakref.ref[torch.Tensor]] = []
+    with nanwatch.watch(model, optimizer=optimizer, mode="sentinel") as handle:
+        for index in range(4):
+            x = torch.randn(2, 4)
+            kept.append(weakref.ref(x))
+            model(x).sum().backward()
+            del x
+            gc.collect()
+            assert kept[-1]() is not None, "the input of the micro-batch in flight is kept to replay it"
+            if index % 2 == 1:  # a window of two micro-batches
+                assert kept[-2]() is not None, "an input of the window was let go before its step"
+                optimizer.step()
+                optimizer.zero_grad()
+            handle.step()
+        model(torch.randn(2, 4))  # the next window begins
+        gc.collect()
+        assert [ref() is None for ref in kept] == [True, True, True, True]
+
+
+# ------------------------------------------------------------------------------ bad input, failing replays
+
+
+def test_a_mode_that_is_not_one_of_the_two_names_the_field() -> None:
+    with pytest.raises(ConfigError, match="mode"):
+        nanwatch.watch(nn.Linear(2, 2), mode="fast")
+    with pytest.raises(ConfigError, match="trace_batch_nums"):
+        nanwatch.watch(nn.Linear(2, 2), mode="sentinel", trace_batch_nums=[1])
+    assert WatchConfig(mode="sentinel").mode == "sentinel"
+
+
+class TakesAnIterator(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(2, 2)
+
+    def forward(self, xs: Iterator[torch.Tensor]) -> torch.Tensor:
+        return torch.stack([self.fc(x) for x in xs]).sum(0)
+
+
+def test_inputs_the_forward_uses_up_are_refused_with_a_clear_error() -> None:
+    model = TakesAnIterator()
+    with nanwatch.watch(model, mode="sentinel"), pytest.raises(TypeError, match="generator is used up by the forward"):
+        model(x for x in [torch.ones(2), torch.ones(2)])
+    with nanwatch.watch(model):  # full mode keeps no inputs: an iterator is fine
+        assert model(iter([torch.ones(2)])).shape == (2,)
+
+
+class FailsWhenRunAgain(nn.Module):
+    """inf at its third call, and an error of its own at any later call (a replay's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(2, 2)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls > 3:
+            raise RuntimeError("cannot run twice")
+        return self.fc(x) * (float("inf") if self.calls == 3 else 1.0)
+
+
+def test_a_replay_that_raises_keeps_the_detection_and_adds_its_error(tmp_path: Path) -> None:
+    model = FailsWhenRunAgain()
+    rng_before: list[torch.Tensor] = []
+
+    def run() -> None:
+        with nanwatch.watch(model, mode="sentinel", report_dir=tmp_path) as handle:
+            for _ in range(3):
+                model(torch.ones(1, 2))
+                rng_before[:] = [torch.get_rng_state()]
+                handle.step()
+
+    with pytest.raises(NonFiniteError) as caught:
+        run()
+    error = caught.value
+    assert error.batch_number == 2
+    assert "the sentinel saw inf/nan in output of the model" in error.report
+    assert "the replay of this micro-batch failed: RuntimeError('cannot run twice')" in error.report
+    assert "RuntimeError('cannot run twice')" in (tmp_path / "nanwatch-report-rank0-batch2.txt").read_text("utf-8")
+    assert torch.equal(torch.get_rng_state(), rng_before[0]), "the replay left the generator moved"
+
+
+# ------------------------------------------------------------------------------ torch.compile
+
+
+def test_a_compiled_model_is_watched_outside_its_graph_and_replayed_eagerly(tmp_path: Path) -> None:
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    compiled = torch.compile(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def train() -> None:
+        with nanwatch.watch(compiled, optimizer=optimizer, mode="sentinel", report_dir=tmp_path) as handle:
+            for index in range(5):
+                x = torch.randn(2, 4, generator=torch.Generator().manual_seed(index))
+                if index == 3:
+                    x[0, 0] = float("inf")
+                compiled(x).sum().backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                handle.step()
+
+    with pytest.raises(NonFiniteError) as caught:
+        train()
+    error = caught.value
+    assert (error.batch_number, error.module_name) == (3, "0")  # no `_orig_mod.` in any name
+    assert REPLAYED in error.report
+    assert "_orig_mod" not in error.report
+    assert "OptimizedModule" not in error.report
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+    assert [frame["module"] for frame in _report_frames(tmp_path, 3)] == ["0"]
