@@ -348,7 +348,7 @@ def split_report(text: str) -> tuple[list[str], list[str], list[str]]:
 
 
 def without_keyword_lines(frames: list[str]) -> tuple[list[str], list[str]]:
-    """nanwatch's frames without the lines of keyword inputs (which transformers' tool does not see), and those lines."""
+    """nanwatch's frames without the lines of keyword inputs (transformers' tool does not see them), and those lines."""
     kept, keyword = [], []
     for frame in frames:
         lines = frame.splitlines()

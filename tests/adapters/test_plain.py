@@ -80,7 +80,8 @@ def test_with_block_removes_every_hook_at_its_end() -> None:
     model = _model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     with watch(model, optimizer=optimizer) as handle:
-        assert _hook_count(model, optimizer) == FRAMES_PER_FORWARD + 2 + 2  # one per module, root pre/post, optimizer
+        # one per module (and its with_kwargs mark: keyword inputs are recorded), root pre/post, optimizer
+        assert _hook_count(model, optimizer) == 2 * FRAMES_PER_FORWARD + 2 + 2
         model(torch.randn(2, 4)).sum().backward()
         optimizer.step()
         handle.step()

@@ -29,7 +29,7 @@ __all__ = ["closest_modules", "draw_lines"]
 _DECADES_TO_SHOW_MAX = 12.0  # as for the heatmap: a max further above the numbers would flatten every line
 _WIDTH_INCH, _HEIGHT_INCH = 9.0, 4.8
 _AXES = (0.08, 0.12, 0.6, 0.66)  # left, bottom, width, height: room above for the inf/nan words
-_WORDS_PER_BATCH = 3  # inf/nan words stacked above a batch; more are counted in one "+N"
+_WORDS_PER_BATCH = 2  # inf/nan words stacked above a batch; more are counted in one "+N"
 
 
 def closest_modules(heatmap: Heatmap, top: int) -> list[int]:

@@ -26,8 +26,10 @@ __all__ = [
     "COMPILE_WRAPPER_ATTRIBUTE",
     "compiled_inner",
     "forget_compiled_code",
+    "nested_code",
     "stale_compiled_code",
     "strip_compile_wrapper",
+    "with_compiled_code",
     "without_compile_wrappers",
 ]
 
@@ -84,13 +86,28 @@ def _code_objects(modules: Iterable[torch.nn.Module]) -> list[types.CodeType]:
 def stale_compiled_code(modules: Iterable[torch.nn.Module]) -> list[types.CodeType]:
     """The code objects of `modules`' forwards for which dynamo holds compiled code already (made without the hooks
     added since). Empty when torch._dynamo was never imported, or this torch cannot say."""
+    return with_compiled_code(_code_objects(modules))
+
+
+def with_compiled_code(codes: Iterable[types.CodeType]) -> list[types.CodeType]:
+    """Those of `codes` for which dynamo holds compiled code (empty when torch._dynamo was never imported)."""
     if "torch._dynamo" not in sys.modules:
         return []
     frames = sys.modules.get("torch._C._dynamo.eval_frame")
     entries = getattr(frames, "_debug_get_cache_entry_list", None)
     if entries is None:
         return []
-    return [code for code in _code_objects(modules) if entries(code)]
+    return [code for code in codes if entries(code)]
+
+
+def nested_code(*functions: object) -> list[types.CodeType]:
+    """The code objects of the functions defined inside `functions` (closures such as a hook a method makes)."""
+    found = []
+    for function in functions:
+        code = getattr(function, "__code__", None)
+        if isinstance(code, types.CodeType):
+            found += [const for const in code.co_consts if isinstance(const, types.CodeType)]
+    return found
 
 
 def forget_compiled_code(codes: Iterable[types.CodeType]) -> bool:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 import logging
 import operator
+import types
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -18,7 +19,13 @@ from typing import Any, Literal, NoReturn, TypeVar
 
 import torch
 
-from nanwatch.core.compiler import forget_compiled_code, stale_compiled_code, without_compile_wrappers
+from nanwatch.core.compiler import (
+    forget_compiled_code,
+    nested_code,
+    stale_compiled_code,
+    with_compiled_code,
+    without_compile_wrappers,
+)
 from nanwatch.core.config import WatchConfig
 from nanwatch.core.events import EngineContext, Feature, OptimizerStage, Phase
 from nanwatch.core.features import features_for
@@ -34,12 +41,12 @@ from nanwatch.core.report import Report, ReportSection
 from nanwatch.core.scope import BatchSchedule, select_modules
 from nanwatch.core.stats.compiled import (
     Sink,
-    ensure_registered,
+    frame_key,
     frame_template,
+    marker_key,
     measurements,
     record_call,
     record_marker,
-    traceable,
 )
 from nanwatch.core.stats.measure import Measurement, StatsCache, extra_kernels, read_flags, stack_maxima
 from nanwatch.core.walk import TooDeep, TooMany, walk
@@ -109,10 +116,9 @@ class Watcher:
         self._ring = FrameRing(config.max_frames_to_save)
         self._pending: list[Frame] = []
         self._cache = StatsCache(extra_kernels(config))
-        # Under torch.compile the hooks' records arrive here after each graph, and become frames in order (`_drain`).
-        self._sink = Sink()
-        self._draining = False
-        self._outside: list[Callable[[], Any]] = []  # adapter hooks a graph noted, run as the records are drained
+        # Under torch.compile the hooks' records arrive here as the graph runs (`_take_compiled`).
+        self._sink = Sink(self._take_compiled)
+        self._outside: list[Callable[[], Any]] = []  # adapter hooks run from inside a graph (`outside_graph`)
         self._modules: dict[str, torch.nn.Module] = {}  # the watched modules by name, for traced frames
         self._batch_recorded = False  # a frame was recorded since the last training batch ended
         self._told_nothing_recorded = False
@@ -151,7 +157,6 @@ class Watcher:
         # Scope is decided here, once: a module left out gets no hook and costs nothing.
         selected = select_modules(candidates, self.config.include_modules, self.config.exclude_modules)
         if self.config.mode == "full":  # sentinel mode: no per-module hook (core/features/sentinel.py)
-            ensure_registered()
             for name, module in selected:
                 # On a module FSDP2 manages, before FSDP's own forward hook frees the gathered parameters.
                 hook = self._make_hook(name, module_class_name(module))
@@ -170,14 +175,17 @@ class Watcher:
     def _forget_stale_compiled_code(self, modules: list[torch.nn.Module]) -> None:
         """Compiled code made before these hooks existed would run without them (dynamo does not guard on hooks
         added later), and record nothing: drop it, so the next call compiles again with the hooks in."""
+        forget_compiled_code(with_compiled_code(_own_code()))  # an earlier watcher's, compiled as frames of their own
         stale = stale_compiled_code(modules)
         if not stale:
             return
+        # Dynamo may reuse code compiled for another module of the same class (its guards need not name the module),
+        # so whichever module it was made for, it goes: at worst a recompilation.
         if forget_compiled_code(stale):
-            self._warn(
-                "nanwatch: the model had run compiled (torch.compile) before watching began; that compiled code "
-                "does not run hooks added later, so nanwatch dropped it: the next call compiles again, with the "
-                "hooks in. Start watching before the first compiled call to avoid the recompilation."
+            self.logger.info(
+                "nanwatch: compiled code (torch.compile) of these modules' forwards existed before watching began; "
+                "it runs no hook added later, so nanwatch dropped it: the next compiled call compiles again, with "
+                "the hooks in"
             )
         else:
             self._warn(
@@ -205,6 +213,8 @@ class Watcher:
         finally:
             self._hooks.remove_all()
             self._sink.close()
+            # The root's hooks run in frames dynamo compiles on their own, which hold this watcher: let them go.
+            forget_compiled_code(with_compiled_code(_own_code()))
             self._cache.clear()
             for feature in self._features:
                 self._safely(f"closing {feature.name}", feature.detach, self._ctx)
@@ -224,8 +234,6 @@ class Watcher:
         counted apart, watched only with `watch_eval`). Idempotent within a micro-batch."""
         if phase not in PHASES:
             raise ValueError(f"phase can be one of {PHASES}, got {phase!r}")
-        self._drain()  # what compiled graphs recorded belongs to the batch before
-        ensure_registered()  # torch.compile may have loaded dynamo since attach
         self._set_counters(optimizer_step, epoch)
         if phase != self._phase:
             # Weights are often swapped through `.data` around evaluation (EMA), which no version counter shows.
@@ -319,7 +327,6 @@ class Watcher:
             return
         if self._last_loss is not None and self._last_loss() is loss:  # told twice (the user and the adapter)
             return
-        self._drain()  # the frames of a compiled forward come before its loss
         try:
             self._last_loss = weakref.ref(loss)
             with torch.no_grad():
@@ -408,7 +415,6 @@ class Watcher:
 
     def recent_frames(self) -> list[Frame]:
         """The ring's frames followed by those not yet checked (for tests and tools)."""
-        self._drain()
         return self._ring.frames() + list(self._pending)
 
     def check(self) -> Report | None:
@@ -418,24 +424,22 @@ class Watcher:
     # ----------------------------------------------------------------------------------------- the hot path
 
     def _make_hook(self, name: str, class_name: str) -> Any:
-        token, kernels, record = self._sink.token, self._cache.kernels, self._record
+        prefix, kernels, record = frame_key(self._sink.token, name, class_name), self._cache.kernels, self._record
+        known: list[Entry] = []  # this module's parameter lines, reused while their measurements are (`_record`)
 
         def forward_hook(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
             if not self._recording:
                 return
             if _is_compiling():
-                # Dynamo is tracing this hook: the statistics go into the graph, the bookkeeping runs after it
-                # (core/stats/compiled.py). Until `record` is registered with dynamo (it was loaded after attach),
-                # registering it is the first thing this trace does, at the cost of a graph break, once.
-                if not traceable():
-                    ensure_registered()
-                record_call(token, name, class_name, module, args, kwargs, output, kernels)
+                # Dynamo is tracing this hook: the statistics go into the graph, the bookkeeping runs after each call
+                # of it (core/stats/compiled.py).
+                record_call(prefix, module, args, kwargs, output, kernels)
                 return
             # A recompute of activation checkpointing (during backward) repeats a call already recorded: not a new one.
             if recomputing():
                 return
             try:
-                record(name, class_name, module, args, kwargs, output)
+                record(name, class_name, module, args, kwargs, output, known)
             except Exception as error:  # our bookkeeping must never kill a healthy run
                 self._disable(f"recording {name or type(module).__name__} failed: {error!r}")
 
@@ -449,20 +453,31 @@ class Watcher:
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         output: Any,
+        known: list[Entry],
     ) -> None:
         # Runs after every module's forward, right after heavy kernels have flushed the CPU caches, where each
         # Python operation costs several times what it costs in isolation: keep the work per call minimal. No
         # `torch.no_grad()` here: measuring works on detached tensors, so it never builds a graph anyway.
-        if self._sink.queue:  # a compiled graph ran before this eager call: its frames come first
-            self._drain()
         cache = self._cache
         entries: list[Entry] = []
         params = module._parameters
         if params:
+            # A parameter's line is the same object from call to call while its measurement is (once per batch):
+            # fewer objects made per call, fewer for the garbage collector to walk.
             parameter = cache.parameter
+            index = 0
             for param_name, param in params.items():
                 if param is not None:
-                    entries.append(Entry(param_name, _PARAMETER, parameter(param)))
+                    measurement = parameter(param)
+                    if index < len(known):
+                        entry = known[index]
+                        if entry.measurement is not measurement or entry.label != param_name:
+                            entry = known[index] = Entry(param_name, _PARAMETER, measurement)
+                    else:
+                        entry = Entry(param_name, _PARAMETER, measurement)
+                        known.append(entry)
+                    entries.append(entry)
+                    index += 1
         activation = cache.activation
         for index, value in enumerate(args):
             label = _INPUT_LABELS[index] if index < len(_INPUT_LABELS) else f"input[{index}]"
@@ -532,56 +547,49 @@ class Watcher:
         self, module: torch.nn.Module, hook: Callable[..., Any], *placeholders: Any
     ) -> Callable[..., Any]:
         """An adapter's `hook` on `module` (bookkeeping, no code for a graph), as a hook a compiled graph does not
-        trace: under torch.compile it only notes where it ran, and runs (given `placeholders` for the arguments after
-        the module) when that graph's records become frames. The root of a user's model runs its hooks outside the
-        graph anyway; a torch.nn container compiled whole (`torch.compile(nn.Sequential(...))`) does not."""
-        index = len(self._outside)
+        trace: dynamo puts one call of nanwatch's operator in its place, and the hook runs, outside the graph, when
+        the graph gets there (given `placeholders` for the arguments after the module, which the graph does not
+        hand over). A torch.nn container compiled whole (`torch.compile(nn.Sequential(...))`) traces its hooks; the
+        root of a user's model runs them as frames of their own, which dynamo compiles too."""
+        key = marker_key(self._sink.token, len(self._outside))
         self._outside.append(lambda: hook(module, *placeholders))
-        token = self._sink.token
 
         def outside(called: torch.nn.Module, *args: Any) -> Any:
             if _is_compiling():
-                record_marker(token, index)
+                record_marker(key)
                 return None
             return hook(called, *args)
 
         return outside
 
-    def _drain(self) -> None:
-        """Turn the records compiled graphs replayed (core/stats/compiled.py) into frames, in the order of the calls,
-        and run the adapter hooks they noted (`outside_graph`) where they ran."""
-        queue = self._sink.queue
-        if not queue or self._draining:  # a hook run below may check: the records after it wait for this loop
+    def _take_compiled(self, key: str, values: list[torch.Tensor], sizes: list[int]) -> None:
+        """A record of a hook call inside a compiled graph, handed over as the graph runs (core/stats/compiled.py):
+        the frame the eager hook would have made, or an adapter hook noted there (`outside_graph`)."""
+        template = frame_template(key)
+        if template.marker is not None:
+            self._outside[template.marker]()  # an adapter's own hook: its errors are the adapter's, as in eager mode
             return
-        self._draining = True
-        self._sink.seen = True
+        if not self._recording:  # stopped (disabled, an unwatched batch) since the graph began
+            return
         try:
-            while queue:
-                key, values = queue.popleft()
-                template = frame_template(key)
-                if template.marker is not None:
-                    self._safely("an adapter hook noted under torch.compile", self._outside[template.marker])
-                    continue
-                entries = []
-                for leaf, found in zip(template.leaves, measurements(template, values), strict=True):
-                    if isinstance(found, str):
-                        entries.append(Entry(leaf.label, _ROLES[leaf.role], note=found))
-                    else:
-                        entries.append(Entry(leaf.label, _ROLES[leaf.role], found))
-                phase = self._phase
-                batch = self.batch_number if phase == "train" else self.eval_batch_number
-                frame = Frame(template.module_name, template.class_name, batch, phase, entries)
-                self._pending.append(frame)
-                if self._tracing:
-                    self._dispatch("on_frame", frame, self._modules[frame.module_name], (), None)
-                if len(self._pending) > _MAX_PENDING_FRAMES:
-                    self._commit_if_clean()
+            entries = []
+            for leaf, found in zip(template.leaves, measurements(template, values, sizes), strict=True):
+                if isinstance(found, str):
+                    entries.append(Entry(leaf.label, _ROLES[leaf.role], note=found))
+                else:
+                    entries.append(Entry(leaf.label, _ROLES[leaf.role], found))
+            phase = self._phase
+            batch = self.batch_number if phase == "train" else self.eval_batch_number
+            frame = Frame(template.module_name, template.class_name, batch, phase, entries)
+            self._pending.append(frame)
+            if self._tracing:
+                self._dispatch("on_frame", frame, self._modules[frame.module_name], (), None)
+            if len(self._pending) > _MAX_PENDING_FRAMES:
+                self._commit_if_clean()
         except NanwatchError:
             raise
         except Exception as error:  # our bookkeeping must never kill a healthy run
-            self._disable(f"recording the frames of a compiled graph failed: {error!r}")
-        finally:
-            self._draining = False
+            self._disable(f"recording {template.module_name or template.class_name} (compiled) failed: {error!r}")
 
     # ------------------------------------------------------------------------------------------ the check
 
@@ -703,7 +711,6 @@ class Watcher:
 
     def _check_safely(self) -> Report | None:
         """The check, judged by the features; a failure in nanwatch itself disables watching instead of propagating."""
-        self._drain()
         held, self._held_report = self._held_report, None
         if held is not None:
             self._pending = []
@@ -874,7 +881,6 @@ class Watcher:
         self._disabled_reason = reason
         self._recording = self._tracing = False
         self._pending.clear()
-        self._sink.queue.clear()
         self._warn(f"nanwatch stopped watching (the run goes on): {reason}")
 
     def _dispatch(self, event: str, *args: Any) -> None:
@@ -902,6 +908,12 @@ class Watcher:
 
     def _log_summary(self, summary: Summary) -> None:
         self.logger.info(summary.to_text())
+
+
+def _own_code() -> list[types.CodeType]:
+    """nanwatch's code that dynamo may compile as frames of their own: the hooks (called by the compiled root's
+    `_call_impl`, outside its `forward`) and what they call."""
+    return [*nested_code(Watcher._make_hook, Watcher.outside_graph), record_call.__code__, record_marker.__code__]
 
 
 class _Read:
@@ -939,7 +951,6 @@ class _Context:
 
     def add_frame(self, frame: Frame, module: torch.nn.Module) -> None:
         engine = self._engine
-        engine._drain()  # a compiled forward's frames come before this one
         engine._pending.append(frame)
         if engine._tracing:
             engine._dispatch("on_frame", frame, module, (), None)

@@ -40,6 +40,7 @@ def main() -> int:
     # A short group timeout: were nanwatch to leave a rank in a collective, the run would fail in a minute.
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     rank = dist.get_rank()
+    store = dist.distributed_c10d._get_default_store()
     torch.manual_seed(0)
     model = TinyRegressor(options.inject_at, options.inject_rank)
     trained: torch.nn.Module = DistributedDataParallel(model) if options.ddp else model
@@ -52,6 +53,10 @@ def main() -> int:
     try:
         with trained.join() if options.ddp else contextlib.nullcontext():  # type: ignore[operator]
             for micro in range(batches):
+                if options.keep_going_rank not in (None, rank) and micro == options.inject_at + 1:
+                    # Ranks without DDP run at their own pace: before its next micro-batch, this one waits (on a
+                    # test key of the store, not through nanwatch) until the other rank caught its error.
+                    store.wait(["test/caught"], timedelta(seconds=60))
                 batch = data[slice(4 * micro, 4 * micro + 4)]
                 trained(batch["x"], labels=batch["labels"])["loss"].backward()
                 optimizer.step()
@@ -66,6 +71,7 @@ def main() -> int:
         }
         handle.close()
         if rank == options.keep_going_rank:  # it goes on, without nanwatch: the others must not wait for it
+            store.set("test/caught", "1")
             for micro in range(record["ran"] + 1, batches):
                 batch = data[slice(4 * micro, 4 * micro + 4)]
                 model(batch["x"], labels=batch["labels"])["loss"].backward()

@@ -11,9 +11,9 @@ of a batch that holds any inf/nan is where the trail starts:
   of the top-level model.
 
 Enclosing calls are found by name (`a.b` encloses `a.b.c`) among the frames that return later in the same batch.
-Forward hooks see positional arguments only, so a tensor passed as a keyword argument is invisible here; a module
-whose only tensor input came as a keyword argument counts as having no (finite) inputs. A loss given to `watch_loss`
-(its own frame) that is the first non-finite value was made by the loss code from finite outputs.
+Inputs are positional (`input[0]`) and keyword tensors (`input.pixel_values`) alike, so bad data passed as
+`model(**batch)` is traced to the keyword that brought it. A loss given to `watch_loss` (its own frame) that is the
+first non-finite value was made by the loss code from finite outputs.
 
 What each line is comes from its typed role and its frame's direction, never from the text of its label.
 """
@@ -175,7 +175,7 @@ def _finite_inputs_text(frame: ResolvedFrame) -> tuple[str, float | None, float 
     elif roles[Role.INPUT]:
         text = "inputs finite (none floating point)"
     else:
-        text = "no positional tensor inputs"
+        text = "no tensor inputs"
     if weights_max is not None:
         text += f", weights finite (abs max {weights_max:.2e})"
     return text, inputs_max, weights_max
@@ -342,7 +342,7 @@ def _unknown(frame: ResolvedFrame, entries: Sequence[ResolvedEntry], how: str, *
     if backward:
         why = "it flowed in from the loss or from code outside the watched modules"
     else:
-        why = "made by code outside the watched modules, or passed as a keyword argument"
+        why = "made by code outside the watched modules"
     message = (
         f"{values} {how} {', '.join(labels)} of {_where(frame.module_name, frame.class_name)}; no recorded call "
         f"accounts for it ({why})"

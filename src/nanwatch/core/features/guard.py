@@ -1,7 +1,8 @@
 """The guard: before each optimizer step, are the gradients about to be applied finite?
 
-One fused reduction over them (`torch._foreach_norm(grads, inf)`: the largest magnitude of each, inf or nan as soon as
-one value is), launched when the step is about to run, and read with the check's single host read. The gradients are
+One fused reduction over them (`largest_magnitudes`: the largest magnitude of each, inf or nan as soon as one value
+is; one `_foreach_norm` on an accelerator, stacks of same-shaped gradients on the CPU), launched when the step is
+about to run, and read with the check's single host read. The gradients are
 read from the optimizer's param groups at step time, so a parameter unfrozen after watching began is guarded too.
 Under a `GradScaler`, a step the scaler skips never reaches the guard (a plain optimizer is not called; a fused one
 is called with `found_inf` set, and the guard leaves it alone).
@@ -24,6 +25,7 @@ from nanwatch.core.frames import Frame
 from nanwatch.core.hooks import clean_name
 from nanwatch.core.optimizers import gradients_to_apply, skips_this_step
 from nanwatch.core.report import Report, ReportSection
+from nanwatch.core.stats.measure import largest_magnitudes
 from nanwatch.core.stats.sharded import local_shard
 
 __all__ = ["GradientGuard", "MAX_NAMED"]
@@ -104,7 +106,7 @@ def _largest_magnitudes(grads: list[torch.Tensor]) -> list[torch.Tensor]:
     grads = [local_shard(grad) for grad in grads]
     # The infinity norm of an empty tensor (a rank's empty shard of a small parameter) is an error in _foreach_norm.
     dense = [grad for grad in grads if grad.layout is torch.strided and type(grad) is torch.Tensor and grad.numel()]
-    found = dict(zip(map(id, dense), torch._foreach_norm(dense, math.inf), strict=True)) if dense else {}
+    found = dict(zip(map(id, dense), largest_magnitudes(dense), strict=True)) if dense else {}
     out = []
     for grad in grads:
         value = found.get(id(grad))

@@ -1,25 +1,24 @@
 """Recording under `torch.compile`: the statistics are compiled into the graph, the bookkeeping runs after it.
 
-When dynamo traces a model whose modules carry nanwatch's hooks, it traces the hooks too. Everything the eager path
+When dynamo compiles a model whose modules carry nanwatch's hooks, it traces the hooks too. Everything the eager path
 does to save work (the statistics cache's lookups by storage and version counter, weak references, reused buffers)
-reads what a graph cannot: dynamo would break the graph there, or guard on it and recompile at every call. So under
-`torch.compiler.is_compiling()` a hook measures every tensor afresh with plain tensor ops (inductor fuses `abs` into
-the reduction, and its common-subexpression pass measures a tensor seen twice once) and hands the results to
-`record()`, which dynamo does not trace: registered as a "reorderable logging function", its calls are replayed
-right after the graph runs, with the graph's outputs as arguments. So nanwatch adds no graph break and nothing to
-guard on.
+reads what a graph cannot hold: dynamo would break the graph there, or guard on it and recompile at every call. So
+under `torch.compiler.is_compiling()` a hook measures every tensor afresh with plain tensor ops (inductor fuses
+`abs` into the reduction, and measures a tensor two hooks see once: common subexpressions) and hands the results to
+one custom operator, `nanwatch::record`, that the graph calls in place of the bookkeeping. The operator is opaque to
+the compiler (it is not traced, and adds no graph break and nothing to guard on); it writes to a token tensor, so the
+compiler keeps every call, in order; when the graph runs, each call copies its numbers and hands them to the engine,
+which makes the frame then and there, as the eager hook would have (`Watcher._take_compiled`).
 
-What a record means (module, class, labels, roles, dtypes, shapes) is known when the graph is traced, so it travels
-as one string constant, `key`, built from constants only (dynamo folds it); `frame_template(key)` turns it back into
-fields once per distinct key. `measurements()` pairs a template with the replayed tensors.
+What a record means (module, class, labels, roles, dtypes, ranks) is known when the graph is traced, so it travels
+as one string constant, `key` (dynamo folds it); `frame_template(key)` turns it back into fields once per distinct
+key. Sizes can be dynamic, so they travel as a small CPU tensor. `measurements()` pairs a template with the numbers.
 """
 
 from __future__ import annotations
 
 import itertools
-import sys
-from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
@@ -32,152 +31,174 @@ from nanwatch.core.stats.measure import Measurement
 from nanwatch.core.walk import TooDeep, TooMany, walk
 
 __all__ = [
-    "CompiledRecord",
     "FrameTemplate",
+    "Receiver",
     "LeafTemplate",
     "Sink",
+    "frame_key",
     "frame_template",
+    "marker_key",
     "measurements",
-    "record",
     "record_call",
     "record_marker",
-    "ensure_registered",
-    "traceable",
 ]
 
 # Separators that never occur in module names, labels or dtype names: one field, one leaf, one part of a key.
 _FIELD, _LEAF, _PART = "\x1f", "\x1e", "\x1d"
-# A record that is not a frame: an adapter hook that runs after the graph (see `Watcher.outside_graph`).
+# A record that is not a frame: an adapter hook, run by the engine when the graph gets there (`Watcher.outside_graph`).
 _MARKER = "!"
 
 ExtraKernels = tuple[tuple[str, Kernel], ...]
-# One replayed record: its key and the tensors the graph computed for it.
-CompiledRecord = tuple[str, tuple[torch.Tensor, ...]]
-
-
-def traceable() -> bool:
-    """Whether dynamo replays `record` after a graph rather than tracing it (see `ensure_registered`)."""
-    return _registered
-
-
-def ensure_registered() -> bool:
-    """Register `record` with dynamo as a reorderable logging function, once torch._dynamo is loaded.
-
-    Importing torch._dynamo takes seconds, so nanwatch never does: anything compiled has loaded it already. The engine
-    asks at attach and at every batch boundary; a graph traced before (the first batch of a model compiled after
-    `watch()` and entered through a torch.nn container) records through a graph break instead, and the guard on
-    `traceable()` recompiles it once this is registered.
-    """
-    global _registered
-    if _registered:
-        return True
-    config = sys.modules.get("torch._dynamo.config")
-    functions = getattr(config, "reorderable_logging_functions", None)
-    if not isinstance(functions, set):
-        return False
-    functions.add(record)
-    _registered = True
-    return True
-
-
-_registered = False
+# What the engine is handed for each record: its key (without the token), the numbers (copies), the sizes of its
+# tensors one after the other.
+Receiver = Callable[[str, list[torch.Tensor], list[int]], None]
 
 
 # ------------------------------------------------------------------------------------------------ the sink
 
 
 class Sink:
-    """Where the replayed records of one watcher go: a queue, drained by the engine in order.
+    """Where the records of one watcher's hooks go, as the graph runs: to `receiver`.
 
-    `token` goes into every key the watcher's hooks build, so `record()` finds the queue; a closed sink's records
+    `token` goes into every key the watcher's hooks build, so the operator finds the receiver; a closed sink's records
     (from a graph compiled while it was open) are dropped.
     """
 
     _next = itertools.count(1)
-    _open: dict[int, deque[CompiledRecord]] = {}
+    _open: dict[int, Receiver] = {}
 
-    def __init__(self) -> None:
+    def __init__(self, receiver: Receiver) -> None:
         self.token = next(Sink._next)
-        self.queue: deque[CompiledRecord] = deque()
-        self.seen = False  # a record arrived: a graph holds this watcher's hooks
-        Sink._open[self.token] = self.queue
+        Sink._open[self.token] = receiver
 
     def close(self) -> None:
         Sink._open.pop(self.token, None)
-        self.queue.clear()
 
 
-def record(key: str, *values: torch.Tensor) -> None:
-    """Called by dynamo after a graph ran, once per hook call it traced, with the tensors that call computed."""
+# Written by every call of the operator, so that the compiler keeps the calls (a call that returns nothing and
+# writes nothing would be dead code) in the order the hooks made them.
+_ORDER = torch.zeros(1)
+
+
+@torch.library.custom_op("nanwatch::record", mutates_args=("order",))
+def _record(order: torch.Tensor, key: str, values: list[torch.Tensor]) -> None:
+    """At run time, for each hook call a graph traced: hand the engine the numbers (copies: the compiler may reuse the
+    memory of a graph's temporaries once this call, their last reader, returns) and the sizes."""
     token, _, rest = key.partition(_PART)
-    queue = Sink._open.get(int(token))
-    if queue is not None:
-        queue.append((rest, values))
+    receiver = Sink._open.get(int(token))
+    if receiver is not None:
+        receiver(rest, [value.clone() for value in values[:-1]], values[-1].tolist())
+
+
+@_record.register_fake
+def _record_fake(order: torch.Tensor, key: str, values: list[torch.Tensor]) -> None:
+    return None
+
+
+def _emit(key: str, values: list[torch.Tensor]) -> None:
+    torch.ops.nanwatch.record(_ORDER, key, values)
 
 
 # ------------------------------------------------------------------------------------------------ tracing
 
 
+def frame_key(token: int, name: str, class_name: str) -> str:
+    """The start of the keys of a hook's records: made outside the trace, so that dynamo sees one string constant
+    (an int it saw change between compilations, such as a new watcher's token, it would make dynamic, and a dynamic
+    int cannot become text in a graph)."""
+    return _PART.join((str(token), name, class_name))
+
+
+def marker_key(token: int, index: int) -> str:
+    """The key of adapter hook `index`'s records (see `frame_key`)."""
+    return _PART.join((str(token), _MARKER, str(index)))
+
+
 def record_call(
-    token: int,
-    name: str,
-    class_name: str,
+    prefix: str,
     module: torch.nn.Module,
     args: tuple[Any, ...],
     kwargs: Mapping[str, Any],
     output: Any,
     kernels: ExtraKernels,
 ) -> None:
-    """Measure one module call as dynamo traces it, and pass the results to `record` (replayed after the graph).
+    """Measure one module call as dynamo traces it, and hand the numbers to `nanwatch::record`.
 
-    Only tensor ops, string constants and list appends: nothing here reads a tensor's identity, storage or version.
-    The leaves and labels are those of the eager path (parameters, `input[i]`, `input.<keyword>`, `output...`).
+    Only tensor ops and constants: nothing here reads a tensor's identity, storage or version. The lines and labels
+    are those of the eager path (parameters, `input[i]`, `input.<keyword>` for keyword tensors, `output...`).
     """
-    leaves: list[str] = []
-    values: list[torch.Tensor] = []
-    # The sizes of every tensor leaf, one after the other: dynamo cannot make text of a dynamic size, so they travel
-    # as one small int64 tensor per call (the last value; a constant one when the shapes are static), and the key
-    # says each tensor's rank.
-    shapes: list[Any] = []
+    record = _Record(kernels)
     for param_name, param in module._parameters.items():
         if param is not None:
-            _leaf(leaves, values, shapes, param_name, "parameter", param, kernels)
+            record.leaf(param_name, "parameter", param)
     for index, value in enumerate(args):
-        _leaves(leaves, values, shapes, value, f"input[{index}]", "input", kernels, notes=True)
+        record.leaves(value, f"input[{index}]", "input", notes=True)
     for keyword, value in kwargs.items():
-        _leaves(leaves, values, shapes, value, f"input.{keyword}", "input", kernels, notes=False)
-    _leaves(leaves, values, shapes, output, "output", "output", kernels, notes=True)
-    values.append(torch.tensor(shapes, dtype=torch.int64))
-    key = _PART.join((str(token), name, class_name, _LEAF.join(leaves)))
-    record(key, *values)
+        record.leaves(value, f"input.{keyword}", "input", notes=False)
+    record.leaves(output, "output", "output", notes=True)
+    record.emit(prefix + _PART + _LEAF.join(record.texts))
 
 
-def record_marker(token: int, index: int) -> None:
-    """Under compile: note that adapter hook `index` ran here; the engine runs it when it drains the records."""
-    record(_PART.join((str(token), _MARKER, str(index))))
+def record_marker(key: str) -> None:
+    """Under compile: the adapter hook of `key` (`marker_key`) runs here, when the graph runs, outside the graph."""
+    _emit(key, [torch.zeros(0, dtype=torch.int64, device="cpu")])
 
 
-def _leaves(
-    leaves: list[str],
-    values: list[torch.Tensor],
-    shapes: list[Any],
-    value: Any,
-    label: str,
-    role: str,
-    kernels: ExtraKernels,
-    *,
-    notes: bool,
-) -> None:
-    """The leaves of `value`, labelled as core/walk.py labels them. `notes`: also the lines without numbers (None,
-    not a tensor, ...); keyword inputs list their tensors only."""
-    if isinstance(value, torch.Tensor):
-        _leaf(leaves, values, shapes, label, role, value, kernels)
-        return
-    for leaf_label, leaf in walk(value, label):
-        if isinstance(leaf, torch.Tensor):
-            _leaf(leaves, values, shapes, leaf_label, role, leaf, kernels)
-        elif notes:
-            leaves.append(_FIELD.join((leaf_label, role, "", "", _note(leaf), "")))
+class _Record:
+    """One hook call's leaves as text, and its numbers: abs min and max stacked by device and dtype (one tensor each
+    for the operator, not two per line), then the other statistics' vectors, then every tensor's sizes."""
+
+    def __init__(self, kernels: ExtraKernels) -> None:
+        self.kernels = kernels
+        self.texts: list[str] = []
+        self.kinds: list[tuple[torch.dtype, torch.device]] = []
+        self.ranges: list[list[torch.Tensor]] = []
+        self.extras: list[torch.Tensor] = []
+        # dynamo cannot make text of a dynamic size: the sizes travel as numbers, the key says each tensor's rank
+        self.sizes: list[Any] = []
+
+    def leaves(self, value: Any, label: str, role: str, *, notes: bool) -> None:
+        """The leaves of `value`, labelled as core/walk.py labels them. `notes`: also the lines without numbers
+        (None, not a tensor, ...); keyword inputs list their tensors only."""
+        if isinstance(value, torch.Tensor):
+            self.leaf(label, role, value)
+            return
+        for leaf_label, leaf in walk(value, label):
+            if isinstance(leaf, torch.Tensor):
+                self.leaf(leaf_label, role, leaf)
+            elif notes:
+                self.texts.append(_FIELD.join((leaf_label, role, "", "", _note(leaf), "", "")))
+
+    def leaf(self, label: str, role: str, tensor: torch.Tensor) -> None:
+        self.sizes.extend(tensor.shape)
+        skipped = _skipped(tensor)
+        names = []
+        group = ""
+        if not skipped:
+            data = tensor.detach()
+            abs_min, abs_max = _range(data)
+            group = str(self._group(abs_max, [abs_min, abs_max]))
+            for name, kernel in self.kernels:
+                vector = kernel(data)
+                if vector is not None:
+                    self.extras.append(vector)
+                    names.append(name)
+        rank = str(tensor.dim())  # static, even where a size is not
+        self.texts.append(_FIELD.join((label, role, str(tensor.dtype), rank, skipped, ",".join(names), group)))
+
+    def _group(self, value: torch.Tensor, pair: list[torch.Tensor]) -> int:
+        for index, (dtype, device) in enumerate(self.kinds):
+            if dtype == value.dtype and device == value.device:
+                self.ranges[index] += pair
+                return index
+        self.kinds.append((value.dtype, value.device))
+        self.ranges.append(pair)
+        return len(self.kinds) - 1
+
+    def emit(self, key: str) -> None:
+        values = [torch.stack(pairs) for pairs in self.ranges] + self.extras
+        values.append(torch.tensor(self.sizes, dtype=torch.int64, device="cpu"))
+        _emit(key, values)
 
 
 def _note(leaf: object) -> str:
@@ -188,32 +209,6 @@ def _note(leaf: object) -> str:
     if isinstance(leaf, TooMany):
         return "not shown"
     return "not a tensor"
-
-
-def _leaf(
-    leaves: list[str],
-    values: list[torch.Tensor],
-    shapes: list[Any],
-    label: str,
-    role: str,
-    tensor: torch.Tensor,
-    kernels: ExtraKernels,
-) -> None:
-    dtype = tensor.dtype
-    shape = str(tensor.dim())  # the rank is static, even where a size is not
-    shapes.extend(tensor.shape)
-    skipped = _skipped(tensor)
-    names = []
-    if skipped == "":
-        data = tensor.detach()
-        abs_min, abs_max = _range(data)
-        values += [abs_min, abs_max]
-        for name, kernel in kernels:
-            vector = kernel(data)
-            if vector is not None:
-                values.append(vector)
-                names.append(name)
-    leaves.append(_FIELD.join((label, role, str(dtype), shape, skipped, ",".join(names))))
 
 
 def _skipped(tensor: torch.Tensor) -> str:
@@ -249,24 +244,21 @@ class LeafTemplate:
     label: str
     role: str
     dtype: torch.dtype | None
-    rank: int | None  # a tensor's number of dimensions (its sizes travel in the record's last value)
+    rank: int | None  # a tensor's number of dimensions; None for a line that is no tensor
     note: str | None  # why there are no numbers: a skipped tensor's reason, or "None", "not a tensor", ...
-    measured: bool  # two range values follow in the record, then one vector per name in `extra`
-    extra: tuple[str, ...]
+    group: int | None  # which stack holds its abs min and max (None: not measured)
+    extra: tuple[str, ...]  # the other statistics measured, one vector each, in the record's order
 
 
 @dataclass(frozen=True, slots=True)
 class FrameTemplate:
-    """What a record's key says: a frame's module and class and its leaves, or (`marker`) an adapter hook."""
+    """What a record's key says: a frame's module, class and leaves, or (`marker`) an adapter hook."""
 
     module_name: str
     class_name: str
     leaves: tuple[LeafTemplate, ...]
     marker: int | None = None
-
-    @property
-    def has_tensors(self) -> bool:
-        return any(leaf.rank is not None for leaf in self.leaves)
+    groups: int = 0  # how many stacks of abs min and max lead the record's numbers
 
 
 @lru_cache(maxsize=4096)
@@ -275,44 +267,43 @@ def frame_template(key: str) -> FrameTemplate:
     parts = key.split(_PART)
     if parts[0] == _MARKER:
         return FrameTemplate("", "", (), marker=int(parts[1]))
-    name, class_name, leaves = parts
-    return FrameTemplate(name, class_name, tuple(_leaf_template(text) for text in leaves.split(_LEAF) if text))
+    name, class_name, text = parts
+    leaves = tuple(_leaf_template(leaf) for leaf in text.split(_LEAF) if leaf)
+    groups = 1 + max((leaf.group for leaf in leaves if leaf.group is not None), default=-1)
+    return FrameTemplate(name, class_name, leaves, groups=groups)
 
 
 def _leaf_template(text: str) -> LeafTemplate:
-    label, role, dtype_name, rank, note, extra = text.split(_FIELD)
+    label, role, dtype_name, rank, note, extra, group = text.split(_FIELD)
     dtype = getattr(torch, dtype_name.replace("torch.", ""), None) if dtype_name else None
-    measured = bool(dtype_name) and not note
     return LeafTemplate(
         label,
         role,
         dtype if isinstance(dtype, torch.dtype) else None,
         int(rank) if rank else None,
         note or None,
-        measured,
+        int(group) if group else None,
         tuple(extra.split(",")) if extra else (),
     )
 
 
-def measurements(template: FrameTemplate, values: tuple[torch.Tensor, ...]) -> list[Measurement | str]:
-    """One Measurement per tensor leaf of the template (or the note of a leaf that is not a tensor), in order."""
+def measurements(template: FrameTemplate, values: list[torch.Tensor], sizes: list[int]) -> list[Measurement | str]:
+    """One Measurement per tensor leaf of the template (or the note of a line that is no tensor), in order."""
+    stacks = [iter(stack.unbind()) for stack in values[: template.groups]]
+    extras = iter(values[template.groups :])
     found: list[Measurement | str] = []
-    sizes: list[int] = values[-1].tolist()  # a CPU tensor: no device sync
-    position = offset = 0
+    offset = 0
     for leaf in template.leaves:
         if leaf.rank is None:
             found.append(leaf.note or "not a tensor")
             continue
         shape = tuple(sizes[offset : offset + leaf.rank])
         offset += leaf.rank
-        if not leaf.measured:
+        if leaf.group is None:
             found.append(Measurement(None, None, leaf.dtype, shape, skipped=leaf.note))
             continue
-        abs_min, abs_max = values[position], values[position + 1]
-        position += 2
-        extra = None
-        if leaf.extra:
-            extra = dict(zip(leaf.extra, values[position : position + len(leaf.extra)], strict=True))
-            position += len(leaf.extra)
+        stack = stacks[leaf.group]
+        abs_min, abs_max = next(stack), next(stack)
+        extra = {name: next(extras) for name in leaf.extra} if leaf.extra else None
         found.append(Measurement(abs_min, abs_max, leaf.dtype, shape, extra=extra))
     return found

@@ -22,6 +22,9 @@ ABS_KEEPS_DTYPE: frozenset[torch.dtype] = frozenset(
 # allocation, which glibc serves with mmap and the kernel with page faults: for 32 MiB of logits that costs more
 # than the abs itself. Larger tensors go through it in chunks of this size.
 _CPU_CHUNK = 1 << 20
+# Below this many elements (64 KiB of float32) a fresh abs() is served from the heap, not by mmap: cheaper than
+# finding the buffer's view for the shape.
+_FRESH_MAX = 1 << 14
 # Other devices have caching allocators; chunks there only bound the temporary copy of a huge tensor (logits).
 _DEVICE_CHUNK = 1 << 26
 # From this many elements on, the magnitudes are reduced as integers (see `_SAME_SIZE_INT`): it saves more time in
@@ -84,6 +87,8 @@ def abs_aminmax(data: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         parts: list[tuple[torch.Tensor, torch.Tensor]] = [
             torch.aminmax(flat[start : start + _DEVICE_CHUNK].abs()) for start in range(0, numel, _DEVICE_CHUNK)
         ]
+    elif numel <= _FRESH_MAX:
+        return torch.aminmax(data.abs())  # small: a fresh temporary comes from the heap, with no page fault
     elif numel <= _CPU_CHUNK:
         target, as_int = _scratch.views_for(data.dtype, data.shape, numel)
         torch.abs(data, out=target)

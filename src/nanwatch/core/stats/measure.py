@@ -6,6 +6,7 @@ Nothing here waits for the device except `read_back`, which the engine calls onc
 
 from __future__ import annotations
 
+import math
 import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -22,6 +23,9 @@ from nanwatch.core.stats.sharded import local_shard
 __all__ = [
     "Measurement",
     "measure",
+    "measure_together",
+    "largest_magnitudes",
+    "StackPlan",
     "StatsCache",
     "ReadBack",
     "read_back",
@@ -98,42 +102,101 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def measure_together(tensors: Sequence[torch.Tensor], kernels: ExtraKernels = ()) -> list[Measurement]:
-    """`measure()` of each tensor, with the lead statistic launched for many at once: small floating-point tensors of
-    one device, dtype and shape are stacked and reduced in one go (three kernel launches per stack, not two per
-    tensor). For the parameters of a model of many small layers, where launching kernels costs more than running
-    them. The numbers are those of `measure()` (a min and a max are exact however they are grouped)."""
-    found: list[Measurement | None] = [None] * len(tensors)
-    groups: dict[tuple[torch.device, torch.dtype, torch.Size], list[int]] = {}
-    for index, tensor in enumerate(tensors):
-        if (
-            type(tensor) in _PLAIN
-            and tensor.dtype in _STACKED_DTYPES
-            and tensor.layout is torch.strided
-            and not tensor.is_meta
-            and 0 < tensor.numel() <= _STACK_MAX_NUMEL
-        ):
-            groups.setdefault((tensor.device, tensor.dtype, tensor.shape), []).append(index)
-    with torch.no_grad():  # no graph for the stacks of parameters that require grad
+    """`measure()` of each tensor, the lead statistic launched for many at once (see `StackPlan`)."""
+    return StackPlan(tensors).measure(kernels)
+
+
+class StackPlan:
+    """How a list of tensors (a model's parameters) is measured together: small floating-point tensors of one device,
+    dtype and shape are stacked and reduced in one go (three kernel launches per stack, not two per tensor), the
+    others measured one by one. For a model of many small layers, where launching kernels costs more than running
+    them. The numbers are those of `measure()` (a min and a max are exact however they are grouped). The plan is made
+    once; `fits()` says whether the tensors still have the dtypes it was made for."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
+        self.tensors = list(tensors)
+        self.stacks: list[tuple[list[torch.Tensor], torch.dtype, torch.Size]] = []
+        self.alone: list[int] = []
+        groups: dict[tuple[torch.device, torch.dtype, torch.Size], list[int]] = {}
+        for index, tensor in enumerate(self.tensors):
+            if (
+                type(tensor) in _PLAIN
+                and tensor.dtype in _STACKED_DTYPES
+                and tensor.layout is torch.strided
+                and not tensor.is_meta
+                and 0 < tensor.numel() <= _STACK_MAX_NUMEL
+            ):
+                groups.setdefault((tensor.device, tensor.dtype, tensor.shape), []).append(index)
+            else:
+                self.alone.append(index)
+        self._order: list[int] = []  # the tensors' indices in the order `measure()` finds their measurements
         for (_device, dtype, shape), indices in groups.items():
             if len(indices) < 2:
+                self.alone += indices
                 continue
             per_stack = max(2, _STACK_ELEMENTS // max(1, shape.numel()))
             for start in range(0, len(indices), per_stack):
                 chunk = indices[start : start + per_stack]
-                stacked = torch.stack([tensors[index] for index in chunk])
-                # min and max along a row propagate nan, as a whole-tensor aminmax does
-                lows, highs = torch.aminmax(stacked.abs_().view(len(chunk), -1), dim=1)
-                for index, low, high in zip(chunk, lows.unbind(), highs.unbind(), strict=True):
-                    found[index] = Measurement(low, high, dtype, shape)
-    measurements = []
+                self.stacks.append(([self.tensors[index] for index in chunk], dtype, shape))
+                self._order += chunk
+        self._order += self.alone
+
+    def fits(self) -> bool:
+        """Whether every stacked tensor still has the dtype of its stack (`.data` replaced by `model.half()`)."""
+        return all(tensor.dtype is dtype for stack, dtype, _ in self.stacks for tensor in stack)
+
+    def measure(self, kernels: ExtraKernels = ()) -> list[Measurement]:
+        """The measurements, in the order of the tensors given. Raises RuntimeError when a stacked tensor changed its
+        shape or device since (`torch.stack` refuses): make a new plan then."""
+        found: list[Measurement] = []
+        with torch.no_grad():  # no graph for the stacks of parameters that require grad
+            for stack, dtype, shape in self.stacks:
+                # One column per tensor: amin/amax over dim 0 of the transposed rows run as a few long vector passes
+                # (aminmax along short rows is several times slower). min and max propagate nan, as a whole-tensor
+                # aminmax does.
+                columns = torch.stack(stack).abs_().view(len(stack), -1).t()
+                lows, highs = columns.amin(0), columns.amax(0)
+                for tensor, low, high in zip(stack, lows.unbind(), highs.unbind(), strict=True):
+                    measurement = Measurement(low, high, dtype, shape)
+                    if kernels:
+                        measurement.extra = _extras(tensor.detach(), kernels)
+                    found.append(measurement)
+        found += [measure(self.tensors[index], kernels) for index in self.alone]
+        ordered: list[Measurement | None] = [None] * len(found)
+        for index, measurement in zip(self._order, found, strict=True):
+            ordered[index] = measurement
+        return [measurement for measurement in ordered if measurement is not None]
+
+
+def largest_magnitudes(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The largest |value| of each tensor (plain, strided, non-empty; a gradient), as 0-d tensors on its device, inf or
+    nan as soon as one value is; no host sync. On the CPU, small tensors of one dtype and shape are stacked and
+    reduced together (`_foreach_norm` runs one kernel per tensor there); elsewhere one `_foreach_norm`, a
+    multi-tensor kernel on those devices, takes them all."""
+    found: list[torch.Tensor | None] = [None] * len(tensors)
+    groups: dict[tuple[torch.dtype, torch.Size], list[int]] = {}
+    others: list[int] = []
     for index, tensor in enumerate(tensors):
-        measurement = found[index]
-        if measurement is None:
-            measurement = measure(tensor, kernels)
-        elif kernels:
-            measurement.extra = _extras(tensor.detach(), kernels)
-        measurements.append(measurement)
-    return measurements
+        if tensor.is_cpu and tensor.numel() <= _STACK_MAX_NUMEL:
+            groups.setdefault((tensor.dtype, tensor.shape), []).append(index)
+        else:
+            others.append(index)
+    with torch.no_grad():
+        for (_dtype, shape), indices in groups.items():
+            if len(indices) < 2:
+                others += indices
+                continue
+            per_stack = max(2, _STACK_ELEMENTS // max(1, shape.numel()))
+            for start in range(0, len(indices), per_stack):
+                chunk = indices[start : start + per_stack]
+                columns = torch.stack([tensors[index] for index in chunk]).abs_().view(len(chunk), -1).t()
+                for index, value in zip(chunk, columns.amax(0).unbind(), strict=True):
+                    found[index] = value
+        if others:
+            norms = torch._foreach_norm([tensors[index] for index in others], math.inf)
+            for index, value in zip(others, norms, strict=True):
+                found[index] = value
+    return [value for value in found if value is not None]
 
 
 def _extras(data: torch.Tensor, kernels: ExtraKernels) -> dict[str, torch.Tensor] | None:
@@ -146,6 +209,20 @@ def _extras(data: torch.Tensor, kernels: ExtraKernels) -> dict[str, torch.Tensor
 
 
 def _measure_range(tensor: torch.Tensor) -> Measurement:
+    dtype = tensor.dtype
+    # The common case first, with as few questions as can be: a plain non-empty tensor whose abs keeps its dtype.
+    if (
+        dtype in ABS_KEEPS_DTYPE
+        and not tensor.is_nested
+        and tensor.layout is torch.strided
+        and not tensor.is_meta
+        and tensor.numel()
+    ):
+        # detach() only where a graph could be built or a subclass hides the plain tensor (a Parameter): one op less
+        # for every activation of an inference forward.
+        data = tensor if type(tensor) is torch.Tensor and not tensor.requires_grad else tensor.detach()
+        abs_min, abs_max = _RANGE(data)
+        return Measurement(abs_min, abs_max, dtype, tensor.shape)
     if tensor.is_nested:
         # A nested tensor has no single shape (asking for it raises); an eval-mode nn.TransformerEncoder with a
         # padding mask passes these between its layers. Its numbers are those of all its components together.
@@ -311,7 +388,7 @@ class StatsCache:
     def __init__(self, kernels: ExtraKernels = ()) -> None:
         self._kernels = kernels
         self._params: dict[int, _ParamHit] = {}
-        self._tracked: list[torch.Tensor] = []
+        self._plan: StackPlan | None = None  # the tracked parameters, measured together (`track_parameters`)
         self._tracked_measured = False
         # By identity: the usual case (one module's output object is the next one's input), a cheap lookup.
         self._by_id: dict[int, _ActivationHit] = {}
@@ -328,7 +405,8 @@ class StatsCache:
 
     def track_parameters(self, params: Iterable[torch.Tensor]) -> None:
         """The parameters the hooks will ask for (those of the watched modules), to be measured together."""
-        self._tracked = list({id(param): param for param in params}.values())
+        unique = {id(param): param for param in params if not param.is_inference()}  # no version: never cached
+        self._plan = StackPlan(list(unique.values())) if unique else None
         self._tracked_measured = False
 
     def parameter(self, param: torch.Tensor) -> Measurement:
@@ -345,7 +423,7 @@ class StatsCache:
     def _parameter_miss(self, param: torch.Tensor) -> Measurement:
         if param.is_inference():  # no version counter: measured every time
             return measure(param, self._kernels)
-        if not self._tracked_measured and self._tracked:
+        if not self._tracked_measured and self._plan is not None:
             # The first parameter of this batch: measure every tracked one now, together.
             self._tracked_measured = True
             self._measure_tracked()
@@ -357,8 +435,16 @@ class StatsCache:
         return measurement
 
     def _measure_tracked(self) -> None:
-        params = [param for param in self._tracked if not param.is_inference()]
-        for param, measurement in zip(params, measure_together(params, self._kernels), strict=True):
+        plan = self._plan
+        assert plan is not None
+        try:
+            if not plan.fits():
+                raise RuntimeError("dtypes changed")
+            measurements = plan.measure(self._kernels)
+        except RuntimeError:  # a parameter changed dtype, shape or device since the plan was made: make a new one
+            plan = self._plan = StackPlan(plan.tensors)
+            measurements = plan.measure(self._kernels)
+        for param, measurement in zip(plan.tensors, measurements, strict=True):
             self._params[id(param)] = (param, param._version, _pointer(param), param.dtype, measurement)
 
     def activation(self, tensor: torch.Tensor) -> Measurement:
