@@ -27,6 +27,8 @@ that position (for the others: the median). Ratios are costs over the cost of `n
     python benchmarks/overhead.py --floor --no-hf                  # what one read-only pass per tensor costs
     python benchmarks/overhead.py --scaler --modes train           # through a GradScaler: AMP awareness
     python benchmarks/overhead.py --rounds 60 --output /tmp/overhead.json
+    python benchmarks/overhead.py --dispatch --no-sentinel   # 1,000 tiny layers: the hooks' cost per call (issue 13)
+    python benchmarks/overhead.py --compile --no-hf           # compiled + watched vs compiled alone (issue 13)
 
 Needs `transformers` (the `transformers` extra). A benchmark, not a test: it asserts nothing about speed, it
 reports; the targets of the design are printed next to the figures. Run it on a quiet machine: other processes
@@ -113,6 +115,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default="gpt2",
         help="gpt2: the GPT-2 above (default); convnet: a small conv net with BatchNorm and a functional loss",
     )
+    parser.add_argument(
+        "--dispatch",
+        action="store_true",
+        help="the same as --model dispatch: 1,000 Linear(4,4)+Tanh pairs, where the hooks' cost per call dominates",
+    )
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile the model (inductor) and time none (compiled alone) against watch (watched, then compiled)",
+    )
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default 2)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     parser.add_argument("--vocab", type=int, default=8192, help="vocabulary size (default 8192)")
@@ -123,6 +135,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     # The watched variant's config: one option per WatchConfig field; eval forwards are watched unless told not to.
     add_config_arguments(parser, defaults={"watch_eval": True})
     args = parser.parse_args(argv)
+    if args.dispatch:
+        args.model = "dispatch"
     if args.infer_rounds is None:
         args.infer_rounds = 2 * args.rounds
     modes = [mode.strip() for mode in args.modes.split(",") if mode.strip()]
@@ -152,6 +166,9 @@ class Workload:
 
     def infer(self) -> None:
         raise NotImplementedError
+
+    def optimizer(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.model.parameters(), lr=1e-5)
 
 
 class GPT2Workload(Workload):
@@ -204,10 +221,44 @@ class ConvNetWorkload(Workload):
         self.model(self.images)
 
 
+class DispatchWorkload(Workload):
+    """`--dispatch`: 1,000 `Linear(4, 4)` + `Tanh` pairs, batch 8. Compute is next to nothing, so a step costs what
+    launching its kernels and running Python around them cost: the hooks' own cost per module call dominates, as on a
+    GPU, where kernels run asynchronously and the CPU must stay ahead. AdamW with `foreach=True` (a GPU's default):
+    one multi-tensor call per update, not a Python loop over 2,000 parameters that would hide the hooks' cost."""
+
+    def __init__(self, args: argparse.Namespace, device: torch.device) -> None:
+        from torch import nn
+
+        torch.manual_seed(args.seed)
+        layers: list[nn.Module] = []
+        for _ in range(1000):
+            layers += [nn.Linear(4, 4), nn.Tanh()]
+        model = nn.Sequential(*layers).to(device)
+        self.inputs = torch.randn(8, 4, generator=torch.Generator().manual_seed(args.seed)).to(device)
+        super().__init__(
+            "dispatch-bound: 1,000 x (Linear(4, 4), Tanh), 2,001 module calls per forward; batch 8; AdamW(foreach)",
+            model,
+        )
+
+    def train_loss(self) -> torch.Tensor:
+        return self.model(self.inputs).square().mean()
+
+    def infer(self) -> None:
+        self.model(self.inputs)
+
+    def optimizer(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.model.parameters(), lr=1e-5, foreach=True)
+
+
 WORKLOADS: dict[str, Callable[[argparse.Namespace, torch.device], Workload]] = {
     "gpt2": GPT2Workload,
     "convnet": ConvNetWorkload,
+    "dispatch": DispatchWorkload,
 }
+# Targets of issue 13 for its own runs: watch/none of a dispatch-bound training step, and of a compiled one over the
+# same model compiled alone.
+DISPATCH_TARGET, COMPILED_TARGET = 1.5, 1.2
 
 
 def build_model(vocab: int, seq: int, seed: int) -> torch.nn.Module:
@@ -369,7 +420,7 @@ class Bench:
     def __init__(self, workload: Workload, device: torch.device, *, scaler: bool = False) -> None:
         self.workload = workload
         self.model = workload.model
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-5)
+        self.optimizer = workload.optimizer()
         # float32 weights and no autocast: the scaler's work (scale, unscale, inf check, update) is all there is.
         self.scaler = torch.amp.GradScaler(device.type) if scaler else None
         self.device = device
@@ -536,6 +587,8 @@ def _read_only_range(data: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def make_variants(args: argparse.Namespace, mode: str) -> list[Variant]:
     config: nanwatch.WatchConfig = args.watch_config
     names: list[Variant] = [Variant("none", None), Variant("watch", config, _period(config))]
+    if args.compile:  # compiled alone against compiled and watched; the other tools' hooks break graphs anyway
+        return names
     if not args.no_sentinel:
         # Sentinel mode, and the guard alone (training only: without an optimizer step it does nothing).
         sentinel = config.with_overrides(mode="sentinel", watch_gradients=False, trace_batch_nums=[])
@@ -571,6 +624,10 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit('benchmarks/overhead.py needs transformers: pip install "nanwatch[transformers]"') from error
     device = torch.device(args.device)
     workload = WORKLOADS[args.model](args, device)
+    if args.compile:
+        # Every variant calls the compiled wrapper; watch() looks through it. Hooks taken off and put back between
+        # variants are guarded by dynamo: each variant gets its own compiled code once, in the warm-up.
+        workload.model = torch.compile(workload.model)
     model = workload.model
     bench = Bench(workload, device, scaler=args.scaler)
     n_params = sum(p.numel() for p in model.parameters())
@@ -611,6 +668,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("benchmark invalid: " + "; ".join(problems))
     for mode, mode_results in results.items():
         print_mode(mode, mode_results, per_mode[mode], shown_config)
+        print_issue13_target(args, mode, mode_results)
     log_lines = logs.getvalue().splitlines()
     colon = ":" if log_lines else ""
     print(f"\nnanwatch logged {len(log_lines)} lines meanwhile (summaries, headroom notes){colon}")
@@ -624,6 +682,7 @@ def main(argv: list[str] | None = None) -> int:
         "threads": args.threads,
         "device": str(device),
         "grad_scaler": args.scaler,
+        "compiled": args.compile,
         "warmup": args.warmup,
         "versions": {
             "python": platform.python_version(),
@@ -638,6 +697,21 @@ def main(argv: list[str] | None = None) -> int:
     }
     write_results(payload, args.output)
     return 0
+
+
+def print_issue13_target(args: argparse.Namespace, mode: str, results: dict[str, Any]) -> None:
+    """Issue 13's targets, for its runs: --dispatch (training) and --compile."""
+    watch = results["variants"].get("watch")
+    if watch is None:
+        return
+    if args.compile:
+        target, what = COMPILED_TARGET, "compiled and watched / compiled alone"
+    elif args.model == "dispatch" and mode == "train":
+        target, what = DISPATCH_TARGET, "dispatch-bound training step, watch/none"
+    else:
+        return
+    met = "met" if watch["ratio_to_none"] <= target else "NOT met"
+    print(f"issue 13 target: {what} <= {target:.2f}: {met} ({watch['ratio_to_none']:.3f})")
 
 
 def write_results(payload: dict[str, Any], output: Path) -> None:

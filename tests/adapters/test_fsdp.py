@@ -130,4 +130,3 @@ def test_sentinel_mode_stops_every_rank_and_does_not_replay_a_sharded_model(runs
     text = (out / f"fsdp{version}" / "sentinel-reports" / "nanwatch-report-rank1-batch3.txt").read_text("utf-8")
     assert "the sentinel saw inf/nan in output.logits of the model" in text
     assert "not replayed: the model's parameters are sharded (FSDP)" in text
-

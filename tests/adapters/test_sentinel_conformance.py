@@ -138,7 +138,8 @@ def test_sentinel_rank_1_only_under_two_process_ddp(harness: ModuleType, tmp_pat
     records = [json.loads((tmp_path / f"outcome-rank{rank}.json").read_text(encoding="utf-8")) for rank in (0, 1)]
     for rank, record in enumerate(records):
         error = record["error"]
-        assert error is not None and error["type"] == "NonFiniteError", f"rank {rank} ended with {error}"
+        assert error is not None, f"rank {rank} ended without an error"
+        assert error["type"] == "NonFiniteError", f"rank {rank} ended with {error}"
         assert (error["batch_number"], error["rank"], error["phase"]) == (K, 1, "train"), error
         assert record["steps_done"] == K, f"rank {rank}"
         assert record["final_weights_are_after_last_step"], f"rank {rank}"

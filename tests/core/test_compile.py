@@ -79,11 +79,16 @@ def fresh_dynamo() -> Iterator[None]:
     torch._dynamo.reset()
 
 
+def _graphs(model: nn.Module, *args: Any, **kwargs: Any) -> tuple[int, int, list[str]]:
+    """What `torch._dynamo.explain` counts: graphs, graph breaks, and the reasons of the breaks."""
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(model)(*args, **kwargs)
+    torch._dynamo.reset()
+    return explained.graph_count, explained.graph_break_count, [b.reason for b in explained.break_reasons]
+
+
 def _graph_breaks(model: nn.Module, *args: Any, **kwargs: Any) -> int:
-    torch._dynamo.reset()
-    count: int = torch._dynamo.explain(model)(*args, **kwargs).graph_break_count
-    torch._dynamo.reset()
-    return count
+    return _graphs(model, *args, **kwargs)[1]
 
 
 def _shape(frames: list[ResolvedFrame]) -> list[tuple[str, str, int, list[tuple[str, str | None, Any]]]]:
@@ -104,11 +109,15 @@ def _eager_frames(batches: int) -> list[ResolvedFrame]:
 @pytest.mark.parametrize("order", ORDERS)
 def test_watching_adds_no_graph_break_and_records_what_eager_mode_records(order: str) -> None:
     x, scale = _batch(0), torch.full((), 0.5)
-    baseline = _graph_breaks(_net(), x, scale=scale)
+    baseline = _graphs(_net(), x, scale=scale)
+    assert baseline == (1, 0, [])
 
     model = _net()
     compiled, handle = ORDERS[order](model)
-    assert _graph_breaks(compiled, x, scale=scale) == baseline == 0
+    # The module and its compiled wrapper alike: one graph, as unwatched (the root's hooks run outside dynamo's
+    # frames, the others inside the graph).
+    assert _graphs(model, x, scale=scale) == baseline
+    assert _graphs(compiled, x, scale=scale) == baseline
 
     with warnings.catch_warnings():
         warnings.simplefilter("error", NanwatchWarning)  # nanwatch stopping to watch (or saying why) fails the test
@@ -235,3 +244,26 @@ def test_a_compiled_step_that_ran_before_watching_is_said_to_record_nothing() ->
     forward(_batch(2))
     handle.step()  # said once
     handle.close()
+
+
+def test_a_transformers_model_gets_no_graph_break_of_nanwatch() -> None:
+    # Watched, a transformers model compiles to the graphs it compiles to unwatched (a one-layer GPT-2: tracing
+    # takes seconds per layer on a small CPU).
+    transformers = pytest.importorskip("transformers")
+    transformers.utils.logging.set_verbosity_error()
+    config = transformers.GPT2Config(
+        n_layer=1, n_embd=32, n_head=2, n_positions=16, vocab_size=64, bos_token_id=0, eos_token_id=0
+    )
+    ids = torch.randint(2, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+
+    def gpt2() -> nn.Module:
+        torch.manual_seed(0)
+        model: nn.Module = transformers.GPT2Model(config)
+        return model
+
+    baseline = _graphs(gpt2(), ids)
+    model = gpt2()
+    with nanwatch.watch(model):
+        watched = _graphs(model, ids)
+    assert watched == baseline
+    assert all("nanwatch" not in reason for reason in watched[2])

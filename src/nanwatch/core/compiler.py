@@ -3,6 +3,9 @@
 - `torch.compile(model)` returns an `OptimizedModule` that holds the model as `_orig_mod`: watched through it, every
   name would read `_orig_mod.encoder.0` and the wrapper would add a frame of its own. `without_compile_wrappers`
   leaves the wrapper out and `_orig_mod` out of the names.
+- A hook that the compiled module's `_call_impl` calls (the root of a user's model, compiled at its `forward`)
+  would be compiled by dynamo as a frame of its own, a graph more per hook: `run_outside_dynamo` has such frames run
+  as plain Python (the same hooks still trace as part of the graph wherever dynamo inlines them).
 - Dynamo traces the hooks a module carries when it compiles it, and by default does not guard on them
   (`torch._dynamo.config.skip_nnmodule_hook_guards`): compiled code made before nanwatch's hooks were added keeps
   running without them, and would record nothing. `stale_compiled_code` finds the compiled code of the watched
@@ -27,6 +30,7 @@ __all__ = [
     "compiled_inner",
     "forget_compiled_code",
     "nested_code",
+    "run_outside_dynamo",
     "stale_compiled_code",
     "strip_compile_wrapper",
     "with_compiled_code",
@@ -120,3 +124,18 @@ def forget_compiled_code(codes: Iterable[types.CodeType]) -> bool:
     for code in codes:
         reset_code(code)
     return True
+
+
+def run_outside_dynamo(codes: Iterable[types.CodeType]) -> None:
+    """Have dynamo run frames of `codes`, and everything they call, as plain Python when it meets them as frames of
+    their own; where it inlines them into a graph they are traced as before. Asks torch._C only (no torch._dynamo
+    import); a torch without this control leaves them as they are."""
+    frames = sys.modules.get("torch._C._dynamo.eval_frame")
+    action = getattr(frames, "_FrameAction", None)
+    strategy = getattr(frames, "_FrameExecStrategy", None)
+    setter = getattr(frames, "set_code_exec_strategy", None)
+    if action is None or strategy is None or setter is None:
+        return
+    skip = strategy(action.SKIP, action.SKIP)
+    for code in codes:
+        setter(code, skip)

@@ -22,6 +22,7 @@ import torch
 from nanwatch.core.compiler import (
     forget_compiled_code,
     nested_code,
+    run_outside_dynamo,
     stale_compiled_code,
     with_compiled_code,
     without_compile_wrappers,
@@ -176,6 +177,7 @@ class Watcher:
         """Compiled code made before these hooks existed would run without them (dynamo does not guard on hooks
         added later), and record nothing: drop it, so the next call compiles again with the hooks in."""
         forget_compiled_code(with_compiled_code(_own_code()))  # an earlier watcher's, compiled as frames of their own
+        run_outside_dynamo(_hook_code())
         stale = stale_compiled_code(modules)
         if not stale:
             return
@@ -265,6 +267,7 @@ class Watcher:
         self._settle(hold=True)
         self._batch_started = False
         self._say_if_nothing_recorded()
+        run_outside_dynamo(_hook_code())  # again: a torch._dynamo.reset() forgets it
         self._dispatch("on_batch_end", "train", self.batch_number)  # the scale, a due summary: may raise the floor
         self.batch_number += 1
         # The optimizer may have written the weights in a way `_version` does not show (fused kernels, `p.data`).
@@ -910,10 +913,14 @@ class Watcher:
         self.logger.info(summary.to_text())
 
 
+def _hook_code() -> list[types.CodeType]:
+    """The code of nanwatch's module hooks, which a compiled root's `_call_impl` calls outside its `forward`."""
+    return nested_code(Watcher._make_hook, Watcher.outside_graph)
+
+
 def _own_code() -> list[types.CodeType]:
-    """nanwatch's code that dynamo may compile as frames of their own: the hooks (called by the compiled root's
-    `_call_impl`, outside its `forward`) and what they call."""
-    return [*nested_code(Watcher._make_hook, Watcher.outside_graph), record_call.__code__, record_marker.__code__]
+    """nanwatch's code that dynamo may have compiled as frames of their own: the hooks and what they call."""
+    return [*_hook_code(), record_call.__code__, record_marker.__code__]
 
 
 class _Read:

@@ -62,6 +62,59 @@ class Measurement:
         return self.abs_max is not None and self.abs_max.is_floating_point()
 
 
+class _Rows:
+    """The abs min and max of a stack of tensors measured together (`StackPlan`): two device vectors, cut into each
+    tensor's 0-d values only when something reads them one by one (a report, a trace), never at every batch: the
+    check reads the vectors whole (`stack_maxima`)."""
+
+    __slots__ = ("lows", "highs", "_low_items", "_high_items")
+
+    def __init__(self, lows: torch.Tensor, highs: torch.Tensor) -> None:
+        self.lows, self.highs = lows, highs
+        self._low_items: tuple[torch.Tensor, ...] | None = None
+        self._high_items: tuple[torch.Tensor, ...] | None = None
+
+    def low(self, row: int) -> torch.Tensor:
+        if self._low_items is None:
+            self._low_items = self.lows.unbind()
+        return self._low_items[row]
+
+    def high(self, row: int) -> torch.Tensor:
+        if self._high_items is None:
+            self._high_items = self.highs.unbind()
+        return self._high_items[row]
+
+
+class StackedMeasurement(Measurement):
+    """A measurement that is row `row` of a stack measured together: `abs_min` and `abs_max` are made when read."""
+
+    __slots__ = ("rows", "row")
+
+    def __init__(self, rows: _Rows, row: int, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+        self.rows, self.row = rows, row
+        super().__init__(None, None, dtype, shape)
+
+    @property
+    def abs_min(self) -> torch.Tensor:
+        return self.rows.low(self.row)
+
+    @abs_min.setter
+    def abs_min(self, value: torch.Tensor | None) -> None:
+        pass  # the numbers are the stack's
+
+    @property
+    def abs_max(self) -> torch.Tensor:
+        return self.rows.high(self.row)
+
+    @abs_max.setter
+    def abs_max(self, value: torch.Tensor | None) -> None:
+        pass
+
+    @property
+    def is_float(self) -> bool:
+        return True  # only floating-point tensors are stacked
+
+
 ExtraKernels = tuple[tuple[str, Kernel], ...]
 
 
@@ -155,12 +208,13 @@ class StackPlan:
                 # (aminmax along short rows is several times slower). min and max propagate nan, as a whole-tensor
                 # aminmax does.
                 columns = torch.stack(stack).abs_().view(len(stack), -1).t()
-                lows, highs = columns.amin(0), columns.amax(0)
-                for tensor, low, high in zip(stack, lows.unbind(), highs.unbind(), strict=True):
-                    measurement = Measurement(low, high, dtype, shape)
+                rows = _Rows(columns.amin(0), columns.amax(0))
+                sizes = tuple(shape)
+                for row, tensor in enumerate(stack):
+                    one = StackedMeasurement(rows, row, dtype, sizes)
                     if kernels:
-                        measurement.extra = _extras(tensor.detach(), kernels)
-                    found.append(measurement)
+                        one.extra = _extras(tensor.detach(), kernels)
+                    found.append(one)
         found += [measure(self.tensors[index], kernels) for index in self.alone]
         ordered: list[Measurement | None] = [None] * len(found)
         for index, measurement in zip(self._order, found, strict=True):
@@ -222,7 +276,7 @@ def _measure_range(tensor: torch.Tensor) -> Measurement:
         # for every activation of an inference forward.
         data = tensor if type(tensor) is torch.Tensor and not tensor.requires_grad else tensor.detach()
         abs_min, abs_max = _RANGE(data)
-        return Measurement(abs_min, abs_max, dtype, tensor.shape)
+        return Measurement(abs_min, abs_max, dtype, tuple(tensor.shape))
     if tensor.is_nested:
         # A nested tensor has no single shape (asking for it raises); an eval-mode nn.TransformerEncoder with a
         # padding mask passes these between its layers. Its numbers are those of all its components together.
@@ -270,15 +324,29 @@ _Owner = TypeVar("_Owner")
 def stack_maxima(measurements: Iterable[Measurement]) -> dict[tuple[torch.device, torch.dtype | None], torch.Tensor]:
     """The floating-point abs maxima, each measurement once, stacked by (device, dtype of the measured tensor)."""
     groups: dict[tuple[torch.device, torch.dtype | None], list[torch.Tensor]] = {}
+    stacked: dict[int, tuple[_Rows, torch.dtype | None, list[int]]] = {}
     seen: set[int] = set()
     for measurement in measurements:
-        maximum = measurement.abs_max
-        # abs_max is nan when any value is nan, inf when any is inf: it alone says whether a tensor is finite.
-        if maximum is None or not maximum.is_floating_point() or id(measurement) in seen:
+        if id(measurement) in seen:
             continue
         seen.add(id(measurement))
+        if type(measurement) is StackedMeasurement:  # read with its stack's vector, not one by one
+            rows = measurement.rows
+            stacked.setdefault(id(rows), (rows, measurement.dtype, []))[2].append(measurement.row)
+            continue
+        maximum = measurement.abs_max
+        # abs_max is nan when any value is nan, inf when any is inf: it alone says whether a tensor is finite.
+        if maximum is None or not maximum.is_floating_point():
+            continue
         groups.setdefault((maximum.device, measurement.dtype), []).append(maximum)
-    return {key: torch.stack(values) for key, values in groups.items()}
+    found = {group: torch.stack(values) for group, values in groups.items()}
+    for rows, dtype, used in stacked.values():
+        highs = rows.highs
+        if len(used) != len(highs):  # some modules did not run: their parameters are not part of these frames
+            highs = highs.index_select(0, torch.tensor(used, device=highs.device))
+        group = (highs.device, dtype)
+        found[group] = highs if group not in found else torch.cat([found[group], highs])
+    return found
 
 
 def read_flags(flags: Iterable[tuple[torch.Tensor, _Owner]]) -> list[_Owner]:
@@ -363,8 +431,26 @@ def _view_root(tensor: torch.Tensor) -> torch.Tensor:
 # A parameter's measurement, valid while the parameter is the same object with the same version, storage and dtype
 # (`.data =` assignment, as `model.half()` and `.to()` do, keeps both the object and its `_version`).
 _ParamHit = tuple[torch.Tensor, int, int, torch.dtype, Measurement]
+
+
 # An activation's measurement: a weak reference to the tensor measured, its version and storage then.
-_ActivationHit = tuple["weakref.ref[torch.Tensor]", int, int, Measurement]
+class _Seen(weakref.ref):  # type: ignore[type-arg]
+    """An activation's measurement: a weak reference to the tensor measured, with its version and storage then (one
+    object, not a reference and a tuple: the garbage collector walks what lives until the batch ends)."""
+
+    __slots__ = ("version", "pointer", "measurement")
+    version: int
+    pointer: int
+    measurement: Measurement
+
+
+def _seen(tensor: torch.Tensor, version: int, pointer: int, measurement: Measurement) -> _Seen:
+    seen = _Seen(tensor)
+    seen.version, seen.pointer, seen.measurement = version, pointer, measurement
+    return seen
+
+
+_ActivationHit = _Seen
 
 
 class StatsCache:
@@ -388,11 +474,18 @@ class StatsCache:
     def __init__(self, kernels: ExtraKernels = ()) -> None:
         self._kernels = kernels
         self._params: dict[int, _ParamHit] = {}
-        self._plan: StackPlan | None = None  # the tracked parameters, measured together (`track_parameters`)
-        self._tracked_measured = False
-        # By identity: the usual case (one module's output object is the next one's input), a cheap lookup.
+        # The tracked parameters (`track_parameters`), measured together once per batch: their measurements and
+        # fingerprints then, in lists in the plan's order (a handful of objects per batch, not a tuple per parameter).
+        self._plan: StackPlan | None = None
+        self._index: dict[int, int] = {}
+        self._measured: list[Measurement] | None = None
+        self._versions: list[int] = []
+        self._pointers: list[int] = []
+        self._dtypes: list[torch.dtype] = []
+        # The tensor looked up last: most often one module's output, about to be the next one's input.
+        self._last: _ActivationHit | None = None
+        # Activations by identity, and by where their values live (views sharing a measurement, `_activation_miss`).
         self._by_id: dict[int, _ActivationHit] = {}
-        # By where the values live: views sharing a measurement (see `_activation_miss`).
         self._activations: dict[object, _ActivationHit] = {}
 
     @property
@@ -407,9 +500,22 @@ class StatsCache:
         """The parameters the hooks will ask for (those of the watched modules), to be measured together."""
         unique = {id(param): param for param in params if not param.is_inference()}  # no version: never cached
         self._plan = StackPlan(list(unique.values())) if unique else None
-        self._tracked_measured = False
+        self._index = {key: index for index, key in enumerate(unique)}
+        self._measured = None
 
     def parameter(self, param: torch.Tensor) -> Measurement:
+        measured = self._measured
+        index = self._index.get(id(param))
+        if index is not None and measured is not None:
+            plan = self._plan
+            assert plan is not None
+            if (
+                plan.tensors[index] is param
+                and param._version == self._versions[index]
+                and param.dtype is self._dtypes[index]
+                and _pointer(param) == self._pointers[index]
+            ):
+                return measured[index]
         hit = self._params.get(id(param))
         if hit is not None and hit[0] is param:
             try:
@@ -418,18 +524,15 @@ class StatsCache:
                 return measure(param, self._kernels)
             if version == hit[1] and param.dtype is hit[3] and _pointer(param) == hit[2]:
                 return hit[4]
-        return self._parameter_miss(param)
+        return self._parameter_miss(param, index)
 
-    def _parameter_miss(self, param: torch.Tensor) -> Measurement:
+    def _parameter_miss(self, param: torch.Tensor, index: int | None) -> Measurement:
         if param.is_inference():  # no version counter: measured every time
             return measure(param, self._kernels)
-        if not self._tracked_measured and self._plan is not None:
-            # The first parameter of this batch: measure every tracked one now, together.
-            self._tracked_measured = True
+        if index is not None and self._measured is None:
+            # The first tracked parameter of this batch: measure every tracked one now, together.
             self._measure_tracked()
-            hit = self._params.get(id(param))
-            if hit is not None and hit[0] is param and hit[1] == param._version and _pointer(param) == hit[2]:
-                return hit[4]
+            return self.parameter(param)
         measurement = measure(param, self._kernels)
         self._params[id(param)] = (param, param._version, _pointer(param), param.dtype, measurement)
         return measurement
@@ -444,25 +547,31 @@ class StatsCache:
         except RuntimeError:  # a parameter changed dtype, shape or device since the plan was made: make a new one
             plan = self._plan = StackPlan(plan.tensors)
             measurements = plan.measure(self._kernels)
-        for param, measurement in zip(plan.tensors, measurements, strict=True):
-            self._params[id(param)] = (param, param._version, _pointer(param), param.dtype, measurement)
+        tensors = plan.tensors
+        self._versions = [tensor._version for tensor in tensors]
+        self._pointers = [_pointer(tensor) for tensor in tensors]
+        self._dtypes = [tensor.dtype for tensor in tensors]
+        self._measured = measurements
 
     def activation(self, tensor: torch.Tensor) -> Measurement:
         try:
             version = tensor._version
         except RuntimeError:  # an inference tensor keeps no version counter: measured every time
             return measure(tensor, self._kernels)
-        hit = self._by_id.get(id(tensor))
+        hit = self._last
+        if hit is None or hit() is not tensor:
+            hit = self._by_id.get(id(tensor))
         # The weak reference is alive, so the memory of the tensor measured cannot have been reused. Without storage
         # to compare (pointer 0), the dtype at least.
         if (
             hit is not None
-            and hit[0]() is tensor
-            and hit[1] == version
-            and hit[2] == _pointer(tensor)
-            and (hit[2] or hit[3].dtype == tensor.dtype)
+            and hit() is tensor
+            and hit.version == version
+            and hit.pointer == _pointer(tensor)
+            and (hit.pointer or hit.measurement.dtype == tensor.dtype)
         ):
-            return hit[3]
+            self._last = hit
+            return hit.measurement
         return self._activation_miss(tensor, version)
 
     def _activation_miss(self, tensor: torch.Tensor, version: int) -> Measurement:
@@ -475,17 +584,26 @@ class StatsCache:
         # in-place change through either is seen); `.data` aliases have counters of their own and are measured
         # apart. Storage-less tensors (pointer 0) are known by identity only.
         key: object = None
+        measurement: Measurement | None = None
         if pointer:
-            key = (pointer, tensor.dtype, tensor.shape, tensor.stride())
+            # A plain tuple, not a torch.Size: the garbage collector stops walking tuples of plain numbers.
+            dtype, shape = tensor.dtype, tuple(tensor.shape)
+            key = (pointer, dtype, shape, tensor.stride())
             hit = self._activations.get(key)
-            if hit is not None and hit[1] == version:
-                seen = hit[0]()
+            if hit is not None and hit.version == version:
+                seen = hit()
                 if seen is not None and (seen is tensor or _view_root(seen) is _view_root(tensor)):
                     # views of one base share one version counter: equal versions, equal values
-                    self._by_id[id(tensor)] = (weakref.ref(tensor), version, pointer, hit[3])
-                    return hit[3]
-        measurement = measure(tensor, self._kernels)
-        entry = (weakref.ref(tensor), version, pointer, measurement)
+                    self._last = self._by_id[id(tensor)] = _seen(tensor, version, pointer, hit.measurement)
+                    return hit.measurement
+            if dtype in ABS_KEEPS_DTYPE and type(tensor) is torch.Tensor and not self._kernels and tensor.numel():
+                # The common case, straight to the kernels: a plain non-empty tensor with storage (so not meta, not
+                # sparse) whose abs keeps its dtype. Every other question `measure()` would ask is answered.
+                abs_min, abs_max = _RANGE(tensor.detach() if tensor.requires_grad else tensor)
+                measurement = Measurement(abs_min, abs_max, dtype, shape)
+        if measurement is None:
+            measurement = measure(tensor, self._kernels)
+        entry = self._last = _seen(tensor, version, pointer, measurement)
         self._by_id[id(tensor)] = entry
         if key is not None:
             self._activations[key] = entry
@@ -494,10 +612,11 @@ class StatsCache:
     def forget_parameters(self) -> None:
         """Drop parameter entries (between training batches), for writes no fingerprint sees: fused optimizers."""
         self._params.clear()
-        self._tracked_measured = False
+        self._measured = None
 
     def forget_activations(self) -> None:
         """Drop activation entries (at the end of each batch), so ids of freed tensors are not reused by mistake."""
+        self._last = None
         self._by_id.clear()
         self._activations.clear()
 
