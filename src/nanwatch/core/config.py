@@ -38,8 +38,8 @@ class WatchConfig(BaseModel):
         "full",
         description='"full": every module is watched on every batch (the report is exact as it happens). '
         '"sentinel": no per-module hooks; the model\'s output, the gradient w.r.t. it, the loss and the gradients '
-        "about to be applied are checked (about 1% of a training step), and when one is inf/nan the failing "
-        "micro-batch is run again with full watching to write the same report (a replay).",
+        "about to be applied are checked (one pass over the output and the gradients), and when one is inf/nan the "
+        "failing micro-batch is run again with full watching to write the same report (a replay).",
     )
     max_frames_to_save: int = Field(
         21,
