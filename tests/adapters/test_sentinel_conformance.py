@@ -7,33 +7,21 @@ accumulation, evaluation and a nan on rank 1 only under 2-process DDP.
 
 from __future__ import annotations
 
-import importlib
 import json
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import pytest
+from tests.adapters import test_conformance as conformance
 from tests.adapters.conformance.common import Scenario, report_dir, same_weights
-from tests.adapters.test_conformance import ADAPTERS, K, _detection, _report, _run_two_ranks
+from tests.adapters.test_conformance import K, _detection, _report, _run_two_ranks
 
-pytestmark = [
-    pytest.mark.usefixtures("fresh_accelerate_state"),
-    pytest.mark.filterwarnings(
-        "ignore:.*does not have many workers.*",
-        "ignore:.*isinstance\\(treespec, LeafSpec\\).*",
-        "ignore:.*smaller than the logging interval.*",
-        "ignore:.*defined a `validation_step` but have no `val_dataloader`.*",
-        "ignore:.*Checkpoint directory .* exists and is not empty.*",
-    ),
-]
+# The same warnings filters and per-adapter harness fixture as test_conformance.py.
+pytestmark = conformance.pytestmark
+harness = conformance.harness
 
 REPLAYED = "reproduced by replaying micro-batch"
-
-
-@pytest.fixture(params=ADAPTERS)
-def harness(request: pytest.FixtureRequest) -> ModuleType:
-    return importlib.import_module(f"tests.adapters.conformance.{request.param}_harness")
 
 
 def _json_report(workdir: Path, batch: int) -> dict[str, Any]:
