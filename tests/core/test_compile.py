@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 import torch._dynamo
+from tests.backward_faults import NanInBackward
 from torch import nn
 from torch._dynamo.utils import counters
 
@@ -244,6 +245,48 @@ def test_a_compiled_step_that_ran_before_watching_is_said_to_record_nothing() ->
     forward(_batch(2))
     handle.step()  # said once
     handle.close()
+
+
+class NanBornInBackward(nn.Module):
+    """Two Linear layers with a nan made, when armed, in the backward between them (the forward is the identity)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(8, 8)
+        self.fault = NanInBackward()
+        self.fc2 = nn.Linear(8, 2)
+        self.armed = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc1(x)
+        return self.fc2(self.fault(h) if self.armed else h)
+
+
+def test_watch_gradients_keeps_the_graph_whole_and_reports_a_backward_nan_at_its_parameter(
+    nanwatch_log: pytest.LogCaptureFixture,
+) -> None:
+    torch.manual_seed(0)
+    model = NanBornInBackward()
+    handle = nanwatch.watch(model, watch_gradients=True)
+    compiled = torch.compile(model, backend="aot_eager")
+    assert _graphs(compiled, _batch(0)) == (1, 0, [])  # as unwatched: the gradient hooks add no break
+
+    def train() -> None:
+        for index in range(4):
+            model.armed = index == 2
+            compiled(_batch(index)).square().mean().backward()
+            handle.step()
+
+    with pytest.raises(NonFiniteError) as caught:
+        train()
+    handle.close()
+    assert not counters["graph_break"]
+    error = caught.value
+    assert (error.batch_number, error.module_name) == (2, "fc1")
+    assert "fc1 Linear (backward)" in error.report
+    assert "grad weight" in error.report
+    said = [r.getMessage() for r in nanwatch_log.records if "watch_gradients under torch.compile" in r.getMessage()]
+    assert len(said) == 1, said  # once, not at every batch
 
 
 def test_a_transformers_model_gets_no_graph_break_of_nanwatch() -> None:

@@ -138,3 +138,36 @@ def test_the_guard_reads_nothing_back_on_a_clean_step() -> None:
             optimizer.zero_grad()
             handle.step()
     assert handle.optimizer_step == 3
+
+
+class Scales(nn.Module):
+    """Parameters of any shape, each scaling the input's sum: their shapes may change between steps."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scales = nn.ParameterList([nn.Parameter(torch.ones(3, 3)) for _ in range(3)])
+        self.table = nn.Embedding(4, 2, sparse=True)  # a sparse gradient, reduced on its own
+
+    def forward(self, x: torch.Tensor, factor: float = 1.0) -> torch.Tensor:
+        total = x.sum() + self.table(torch.tensor([1])).sum()
+        return sum((p * total * factor).sum() for p in self.scales)  # type: ignore[return-value]
+
+
+def test_the_reduction_is_planned_again_when_a_gradient_changes_shape() -> None:
+    # The plan (which gradients are stacked together) is made once per list of parameters; a parameter given new
+    # data of another shape makes the next step plan again, and a nan in it is still seen.
+    model = Scales()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    with watch(model, optimizer=optimizer) as handle:
+        for step, factor in enumerate([1.0, 1.0, float("nan")]):
+            if step == 1:
+                model.scales[1].data = torch.ones(5)  # no longer stacked with the others
+            model(torch.ones(2), factor).backward()
+            if step < 2:
+                optimizer.step()
+                optimizer.zero_grad()
+                handle.step()
+        with pytest.raises(NonFiniteError) as info:
+            optimizer.step()
+    assert info.value.batch_number == 2
+    assert "scales.0 nan, scales.1 nan, scales.2 nan, table.weight nan (4 of 4 parameters)" in info.value.report

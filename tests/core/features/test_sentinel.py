@@ -280,6 +280,50 @@ def test_only_the_current_windows_inputs_are_kept() -> None:
         assert [ref() is None for ref in kept] == [True, True, True, True]
 
 
+# ------------------------------------------------------------------------------ no false alarm
+
+
+class LargeButFinite(nn.Module):
+    """Finite values whose float32 sum overflows (4 x 3e38), an empty output, and a -inf for a negative input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(2, 4)
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        large = self.fc(x) * 0 + 3e38
+        if x[0, 0] < 0:
+            large = large - torch.tensor([0.0, 0.0, 0.0, float("inf")])
+        return {"large": large, "empty": x[:0]}
+
+
+def test_large_finite_outputs_are_no_alarm_and_an_infinite_one_is() -> None:
+    model = LargeButFinite()
+    with nanwatch.watch(model, mode="sentinel") as handle:
+        for _ in range(2):  # a check by sums would see inf here: 4 x 3e38 overflows float32
+            assert not torch.isfinite(model(torch.ones(1, 2))["large"].sum())
+            handle.step()
+        model(-torch.ones(1, 2))
+        with pytest.raises(NonFiniteError) as caught:
+            handle.step()
+    assert caught.value.batch_number == 2
+    assert "the sentinel saw inf/nan in output.large of the model" in caught.value.report
+    assert REPLAYED in caught.value.report
+
+
+def test_large_finite_eval_outputs_are_no_alarm_and_an_infinite_one_is() -> None:
+    # Evaluation outputs are summed and kept until their check: a sum that overflowed is told from an inf.
+    model = LargeButFinite().eval()
+    with nanwatch.watch(model, mode="sentinel", watch_eval=True) as handle, torch.no_grad():
+        for _ in range(2):
+            model(torch.ones(1, 2))
+        with pytest.raises(NonFiniteError) as caught:
+            model(-torch.ones(1, 2))
+    assert (caught.value.phase, caught.value.batch_number) == ("eval", 2)
+    assert handle.watcher.eval_batch_number == 2
+    assert "the sentinel saw inf/nan in output.large of the model" in caught.value.report
+
+
 # ------------------------------------------------------------------------------ bad input, failing replays
 
 

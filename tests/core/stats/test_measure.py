@@ -4,6 +4,7 @@ one-read inf/nan check, and a cache that never serves a stale measurement."""
 from __future__ import annotations
 
 import gc
+import math
 import weakref
 from collections.abc import Callable
 
@@ -13,7 +14,14 @@ import torch
 from nanwatch.core.frames import Entry, Frame, Role, resolve
 from nanwatch.core.report import format_entry
 from nanwatch.core.stats.kernels import FLOAT8_DTYPES
-from nanwatch.core.stats.measure import Measurement, StatsCache, holds_non_finite, measure, read_flags
+from nanwatch.core.stats.measure import (
+    Measurement,
+    StatsCache,
+    holds_non_finite,
+    largest_magnitudes,
+    measure,
+    read_flags,
+)
 
 
 def find_non_finite(frames: list[Frame]) -> bool:
@@ -421,3 +429,26 @@ def test_read_flags_names_the_owners_of_the_flags_that_tripped() -> None:
     flags = [(torch.tensor(True), "a"), (torch.tensor(False), "b"), (torch.tensor(False), "c")]
     assert read_flags(flags) == ["b", "c"]
     assert read_flags([]) == []
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("bad", [None, math.nan, math.inf, -math.inf])
+def test_largest_magnitudes_equal_abs_amax_stacked_or_alone(dtype: torch.dtype, bad: float | None) -> None:
+    torch.manual_seed(0)
+    # Small tensors of one shape are stacked together (the bad value in the middle one), the large one is alone, and
+    # a second dtype's tensors are combined apart.
+    small = [torch.randn(3, 5, dtype=dtype) * 10**index for index in range(3)]
+    large = torch.randn(70_000, dtype=dtype)
+    other = [torch.randn(4, dtype=torch.float64), torch.randn(4, dtype=torch.float64) - 5]
+    one_of_a_shape = torch.randn(7, dtype=dtype)
+    if bad is not None:
+        small[1][2, 3] = bad
+        large[12_345] = bad
+    tensors = [small[0], large, other[0], small[1], one_of_a_shape, other[1], small[2]]
+    found = largest_magnitudes(tensors)
+    assert len(found) == len(tensors)
+    for tensor, value in zip(tensors, found, strict=True):
+        expected = tensor.abs().amax()
+        assert value.shape == ()
+        assert value.dtype == tensor.dtype
+        assert torch.equal(value, expected) or (value.isnan() and expected.isnan()), (tensor.shape, value, expected)

@@ -25,6 +25,12 @@ outputs in an autograd function whose results are views, and an in-place op on t
   optimizer applies, and the first micro-batch whose contribution is not finite is the one reported. Its handles are
   kept and removed by `detach()`. Parameters that do not require grad when watching starts get no hook.
 
+Under `torch.compile` the module's forward hooks are traced into the graph, where a tensor hook, a weak reference or
+a version counter would break it: there the gradients w.r.t. outputs and inputs are not hooked (the graph stays whole),
+and only the parameters' gradients are recorded (their hooks run when autograd accumulates `.grad`, outside the
+compiled graph). A nan born in a compiled backward is then reported at the first parameter whose gradient holds it,
+and the log says once that the other lines need an eager run.
+
 Under a `GradScaler` the gradients are measured as autograd produces them, i.e. multiplied by the loss scale (before
 `unscale_`). Nothing here waits for the device: `measure()` only launches kernels; the batch check reads them back.
 """
@@ -39,7 +45,7 @@ from typing import Any
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from nanwatch.core.events import EngineContext, Feature
+from nanwatch.core.events import EngineContext, Feature, Phase
 from nanwatch.core.frames import GRAD_PREFIX, Direction, Entry, Frame, Role
 from nanwatch.core.hooks import module_class_name, recomputing
 from nanwatch.core.stats.measure import Measurement
@@ -80,6 +86,8 @@ class GradientRecorder(Feature):
         # id(tensor) -> its watch, while the tensor's Python object lives (a weakref callback drops the entry).
         self._tensors: dict[int, _TensorWatch] = {}
         self._open: Frame | None = None  # the backward frame later lines of the same module may join
+        self._compiled_calls = False  # a forward ran in a compiled graph, where no tensor was hooked
+        self._said_compiled = False
 
     def attach(self, ctx: EngineContext, modules: Sequence[tuple[str, torch.nn.Module]]) -> None:
         """Put a forward hook (which hooks the tensors) on each module and a post-accumulate hook on each parameter."""
@@ -106,12 +114,26 @@ class GradientRecorder(Feature):
         self._tensors.clear()
         self._open = None
 
+    def on_batch_end(self, ctx: EngineContext, phase: Phase, batch_number: int) -> None:
+        if self._compiled_calls and not self._said_compiled:
+            self._said_compiled = True
+            if ctx.rank_logs(ctx.config.trace_ranks):
+                ctx.logger.warning(
+                    "nanwatch: watch_gradients under torch.compile records each parameter's gradient (`grad weight` "
+                    "lines); the gradients w.r.t. module outputs and inputs inside the compiled graph are not "
+                    "recorded, so the graph stays whole. Run the model eagerly to see them."
+                )
+
     # ---------------------------------------------------------------------------------------------- forward
 
     def _make_forward_hook(self, name: str, class_name: str) -> Any:
         def forward_hook(module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
             ctx = self._ctx
             if not self._active or ctx is None or not ctx.recording or not torch.is_grad_enabled():
+                return
+            if torch.compiler.is_compiling():
+                # Traced into the graph: only this write is (dynamo replays it after each call of the graph).
+                self._compiled_calls = True
                 return
             try:
                 self._hook_tensors(name, class_name, module, args, output)

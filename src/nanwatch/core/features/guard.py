@@ -1,9 +1,9 @@
 """The guard: before each optimizer step, are the gradients about to be applied finite?
 
-One fused reduction over them (`largest_magnitudes`: the largest magnitude of each, inf or nan as soon as one value
-is; one `_foreach_norm` on an accelerator, stacks of same-shaped gradients on the CPU), launched when the step is
-about to run, and read with the check's single host read. The gradients are
-read from the optimizer's param groups at step time, so a parameter unfrozen after watching began is guarded too.
+One fused reduction over them (`MagnitudePlan`, made once per list of parameters: the largest magnitude of each, inf
+or nan as soon as one value is; one `_foreach_norm` on an accelerator, stacks of same-shaped gradients on the CPU),
+launched when the step is about to run, and read with the check's single host read. The gradients are read from the
+optimizer's param groups at step time, so a parameter unfrozen after watching began is guarded too.
 Under a `GradScaler`, a step the scaler skips never reaches the guard (a plain optimizer is not called; a fused one
 is called with `found_inf` set, and the guard leaves it alone).
 
@@ -25,7 +25,7 @@ from nanwatch.core.frames import Frame
 from nanwatch.core.hooks import clean_name
 from nanwatch.core.optimizers import gradients_to_apply, skips_this_step
 from nanwatch.core.report import Report, ReportSection
-from nanwatch.core.stats.measure import largest_magnitudes
+from nanwatch.core.stats.measure import MagnitudePlan
 from nanwatch.core.stats.sharded import local_shard
 
 __all__ = ["GradientGuard", "MAX_NAMED"]
@@ -40,9 +40,11 @@ class GradientGuard(Feature):
 
     def __init__(self) -> None:
         self._names: dict[int, str] = {}
-        # Launched at the step, read by the next check: the parameters and the largest magnitude of each gradient.
-        self._launched: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
-        self._screened: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
+        # Launched at the step, read by the next check: the parameters, and their gradients' largest magnitudes as
+        # (indices into the parameters, one device vector) pairs.
+        self._launched: _Launched | None = None
+        self._screened: _Launched | None = None
+        self._plans = _Plans()
 
     def attach(self, ctx: EngineContext, modules: Sequence[tuple[str, torch.nn.Module]]) -> None:
         named = ctx.model.named_parameters(remove_duplicate=False)
@@ -56,7 +58,7 @@ class GradientGuard(Feature):
         pairs = gradients_to_apply(optimizer)
         if pairs:
             params = [param for param, _ in pairs]
-            self._launched = (params, _largest_magnitudes([grad for _, grad in pairs]))
+            self._launched = (params, self._plans.launch(params, [grad for _, grad in pairs]))
 
     def screen(
         self, ctx: EngineContext, pending: Sequence[Frame], maxima: Mapping[tuple[Any, Any], torch.Tensor]
@@ -65,16 +67,19 @@ class GradientGuard(Feature):
         self._screened = launched
         if launched is None:
             return []
-        return [torch.isfinite(torch.stack(values)).all() for values in _groups(launched[1]).values()]
+        by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+        for _, vector in launched[1]:
+            by_kind.setdefault((vector.device, vector.dtype), []).append(vector)
+        return [torch.isfinite(torch.cat(vectors)).all() for vectors in by_kind.values()]
 
     def review(self, ctx: EngineContext, pending: Sequence[Frame]) -> Report | None:
         screened, self._screened = self._screened, None
         if screened is None:
             return None
-        params, magnitudes = screened
-        values = [0.0] * len(magnitudes)
-        for indices in _group_indices(magnitudes).values():  # one transfer per device and dtype
-            for index, value in zip(indices, torch.stack([magnitudes[i] for i in indices]).tolist(), strict=True):
+        params, groups = screened
+        values = [0.0] * len(params)
+        for indices, vector in groups:  # the slow path: a few transfers, once a flag tripped
+            for index, value in zip(indices, vector.tolist(), strict=True):
                 values[index] = float(value)
         named = [
             (self._name(param, index), value) for index, (param, value) in enumerate(zip(params, values, strict=True))
@@ -100,32 +105,48 @@ class GradientGuard(Feature):
         return self._names.get(id(param), f"(parameter {index} of the optimizer, outside the watched model)")
 
 
-def _largest_magnitudes(grads: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The largest |value| of each gradient, as 0-d device tensors (inf or nan when any value is); no host sync.
-    A DTensor gradient (FSDP2) is reduced over this rank's shard: no collective."""
-    grads = [local_shard(grad) for grad in grads]
-    # The infinity norm of an empty tensor (a rank's empty shard of a small parameter) is an error in _foreach_norm.
-    dense = [grad for grad in grads if grad.layout is torch.strided and type(grad) is torch.Tensor and grad.numel()]
-    found = dict(zip(map(id, dense), largest_magnitudes(dense), strict=True)) if dense else {}
-    out = []
-    for grad in grads:
-        value = found.get(id(grad))
-        if value is None:  # sparse, empty, or a tensor subclass: reduced on its own
+_Groups = list[tuple[list[int], torch.Tensor]]
+_Launched = tuple[list[torch.Tensor], _Groups]
+
+
+class _Plans:
+    """The reduction plan of the dense gradients of one list of parameters, made again when the list changes (a
+    parameter unfrozen, a group added) or a gradient no longer fits it."""
+
+    def __init__(self) -> None:
+        self._key: tuple[int, ...] | None = None
+        self._dense: list[int] = []  # the gradients the plan reduces, by index
+        self._others: list[int] = []  # the others
+        self._plan: MagnitudePlan | None = None
+
+    def launch(self, params: list[torch.Tensor], grads: list[torch.Tensor]) -> _Groups:
+        """The largest magnitude of each gradient (a DTensor's over this rank's shard: no collective)."""
+        grads = [local_shard(grad) for grad in grads]
+        key = tuple(map(id, params))
+        try:
+            if key != self._key or self._plan is None:
+                raise RuntimeError("new parameters")
+            found = self._plan.launch(grads if not self._others else [grads[i] for i in self._dense])
+        except RuntimeError:  # new parameters, or a gradient that changed shape, dtype or kind: a new plan
+            self._key = None
+            # The infinity norm of an empty tensor (a rank's empty shard of a small parameter) is an error.
+            self._dense = [i for i, grad in enumerate(grads) if _dense(grad)]
+            self._others = sorted(set(range(len(grads))) - set(self._dense))
+            self._plan = MagnitudePlan([grads[i] for i in self._dense])
+            found = self._plan.launch([grads[i] for i in self._dense])
+            self._key = key
+        dense = self._dense
+        groups = [([dense[k] for k in indices], vector) for indices, vector in found]
+        for index in self._others:  # sparse, empty, or a tensor subclass: reduced on its own
+            grad = grads[index]
             data = grad.coalesce().values() if grad.is_sparse else grad
-            value = data.abs().amax() if data.numel() else torch.zeros((), device=grad.device)
-        out.append(value)
-    return out
+            value = data.abs().amax() if data.numel() else torch.zeros((), device=grad.device, dtype=grad.dtype)
+            groups.append(([index], value.reshape(1)))
+        return groups
 
 
-def _group_indices(values: list[torch.Tensor]) -> dict[tuple[torch.device, torch.dtype], list[int]]:
-    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-    for index, value in enumerate(values):
-        groups.setdefault((value.device, value.dtype), []).append(index)
-    return groups
-
-
-def _groups(values: list[torch.Tensor]) -> dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]:
-    return {key: [values[i] for i in indices] for key, indices in _group_indices(values).items()}
+def _dense(grad: torch.Tensor) -> bool:
+    return grad.layout is torch.strided and type(grad) is torch.Tensor and grad.numel() > 0
 
 
 def _word(value: float) -> str:

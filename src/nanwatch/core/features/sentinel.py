@@ -1,16 +1,17 @@
 """Sentinel mode (`mode="sentinel"`): cheap enough to leave on, and the exact report when it is needed.
 
-No per-module hook. Hooks on the model (and its direct children, which a LightningModule's `training_step` calls
-itself; or on the `torch.compile` wrapper the loop calls, outside the compiled graph) see each outermost forward
-call. For a training call, a pre-hook keeps references (no copies) to its args and kwargs, the generator states, the
-autocast state and the grad mode, and, once per micro-batch, copies of the buffers a forward changes (BatchNorm's
-running stats; the others are referenced). The forward hook sums each float output on the device (a sum is inf or
-nan as soon as one value is: no host sync) and puts a tensor hook on it that keeps a reference to the gradient
-w.r.t. it. The sums join the check's one host read, with the guard's gradients and the loss. Nothing more is kept,
-and only for the current accumulation window (until the optimizer step; with no optimizer guarded, until the
-micro-batch ends).
+No per-module hook. Hooks on the model the loop calls (or on its `torch.compile` wrapper, outside the compiled
+graph; or, for a LightningModule, whose `training_step` is the loop's call, on its direct children) see each
+outermost forward call. For a training call, a pre-hook keeps references (no copies) to its args and kwargs, the
+generator states, the autocast state and the grad mode, and, once per micro-batch, copies of the buffers a forward
+changes (BatchNorm's running stats; the others are referenced). The forward hook reads each float output once on
+the device, no host sync (its min and max: either is inf or nan as soon as a value is, and neither overflows from
+finite values; an evaluation output is summed and kept until its check, `_look_at`), and puts a tensor hook on it
+that keeps a reference to the gradient w.r.t. it. They join the check's one host read, with the guard's gradients
+and the loss. Nothing more is kept, and only for the current accumulation window (until the optimizer step; with no
+optimizer guarded, until the micro-batch ends).
 
-When a sum is inf/nan, that micro-batch is run again (`EngineContext.rerun`) on the unwrapped model, with every
+When one is inf/nan, that micro-batch is run again (`EngineContext.rerun`) on the unwrapped model, with every
 module watched: the same inputs, generator states, autocast state and buffers, and the same weights (the step never
 ran). When only the gradients about to be applied are non-finite, the window's micro-batches are replayed in order
 with their backward too, driven by the kept gradient w.r.t. each output (through `torch.autograd.grad`: nothing is
@@ -40,7 +41,8 @@ __all__ = ["SentinelFeature", "MAX_WINDOW"]
 
 # Micro-batches kept at most (a loop that never steps an optimizer would otherwise keep every one).
 MAX_WINDOW = 64
-_LOW_PRECISION = frozenset((torch.float16, torch.bfloat16))
+# Evaluation outputs of these dtypes are summed (float16/bfloat16 sums need a float32 pass, slower than aminmax).
+_SUMMED = frozenset((torch.float32, torch.float64))
 
 
 @dataclass
@@ -66,13 +68,14 @@ class _MicroBatch:
 
 
 @dataclass
-class _Sum:
-    """One device sum the sentinel watches, and what it is the sum of."""
+class _Seen:
+    """What was seen of one output: 0-d device tensors, any of them inf/nan when a value is; and what it is of."""
 
-    value: torch.Tensor
+    values: tuple[torch.Tensor, ...]
     what: str
     batch_number: int
     phase: Phase
+    output: torch.Tensor | None = None  # kept until the check when `values` is a sum, which can overflow
 
 
 class SentinelFeature(Feature):
@@ -84,8 +87,8 @@ class SentinelFeature(Feature):
         self._active = False
         self._depth = 0  # forward calls open among the hooked modules: only the outermost one is kept
         self._window: list[_MicroBatch] = []
-        self._sums: list[_Sum] = []
-        self._screened: list[_Sum] = []
+        self._seen: list[_Seen] = []
+        self._screened: list[_Seen] = []
         self._buffers: list[tuple[str, torch.Tensor]] = []
         self._sharded = False  # FSDP: a forward on one rank alone would run collectives no other rank runs
         self._changing: set[str] | None = None  # the buffers a forward changes, once one micro-batch showed which
@@ -98,11 +101,11 @@ class SentinelFeature(Feature):
         self._sharded = any(_shards_parameters(module) for module in ctx.model.modules())
         if ctx.entry is not ctx.model:  # a wrapper (DDP, torch.compile): hooked outside it, replayed on the model
             hooked = [(ctx.entry, ctx.model)]
-        else:  # the model, and its children: a loop (a LightningModule's training_step) may call those directly
-            children = [(child, child) for child in ctx.model.children()]
-            # A root left out of the watch (Lightning's: under DDP its forward is training_step) is not replayed.
-            root_watched = any(module is ctx.model for _, module in modules)
-            hooked = [(ctx.model, ctx.model), *children] if root_watched else children
+        elif any(module is ctx.model for _, module in modules):  # the model the loop calls
+            hooked = [(ctx.model, ctx.model)]
+        else:  # a root left out of the watch (a LightningModule): its training_step calls its children, or its own
+            # forward, which calls them; each outermost call among them is kept, and replayed on its own
+            hooked = [(child, child) for child in ctx.model.children()]
         for module, runner in hooked:
             ctx.hooks.add_handle(module.register_forward_pre_hook(self._before(runner), with_kwargs=True))
             ctx.hooks.add_handle(module.register_forward_hook(self._after, always_call=True))
@@ -121,7 +124,7 @@ class SentinelFeature(Feature):
         return total
 
     def close(self, ctx: EngineContext) -> None:
-        self._window, self._sums, self._screened, self._buffers = [], [], [], []
+        self._window, self._seen, self._screened, self._buffers = [], [], [], []
 
     # --------------------------------------------------------------------------------------------- keeping
 
@@ -173,7 +176,8 @@ class SentinelFeature(Feature):
         call = self._window[-1].calls[-1] if training and self._window and self._window[-1].calls else None
         batch = ctx.batch_number if training else ctx.current_batch
         for label, leaf in _float_leaves(output):
-            self._sums.append(_Sum(_sum(leaf), f"{label} of the model", batch, "train" if training else "eval"))
+            if leaf.numel():  # an empty output holds no inf/nan (and has no min)
+                self._seen.append(_look_at(leaf.detach(), f"{label} of the model", batch, training))
             if call is not None and leaf.requires_grad:
                 leaf.register_hook(self._keep_gradient(call, label))  # type: ignore[no-untyped-call]
 
@@ -191,6 +195,7 @@ class SentinelFeature(Feature):
             self._window = []
 
     def on_batch_end(self, ctx: EngineContext, phase: Phase, batch_number: int) -> None:
+        self._screened = []  # checked: the evaluation outputs kept for it go
         # With no optimizer guarded, no step will look at this micro-batch's gradients again: it is done with.
         if phase == "train" and not ctx.guarded:
             self._window = []
@@ -200,19 +205,16 @@ class SentinelFeature(Feature):
     def screen(
         self, ctx: EngineContext, pending: Sequence[Frame], maxima: Mapping[tuple[Any, Any], torch.Tensor]
     ) -> list[torch.Tensor]:
-        sums, self._sums = self._sums, []
-        self._screened = sums
-        by_device: dict[torch.device, list[torch.Tensor]] = {}
-        for item in sums:
-            by_device.setdefault(item.value.device, []).append(item.value)
-        return [torch.isfinite(torch.stack(values)).all() for values in by_device.values()]
+        seen, self._seen = self._seen, []
+        self._screened = seen
+        groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+        for item in seen:
+            groups.setdefault((item.values[0].device, item.values[0].dtype), []).extend(item.values)
+        return [torch.isfinite(torch.stack(values)).all() for values in groups.values()]
 
     def review(self, ctx: EngineContext, pending: Sequence[Frame]) -> Report | None:
         screened, self._screened = self._screened, []
-        values: list[float] = []
-        for item in screened:  # the slow path: a few sums, read once they tripped
-            values.append(float(item.value))
-        tripped = [item for item, value in zip(screened, values, strict=True) if not _finite(value)]
+        tripped = [item for item in screened if _holds_non_finite(item)]
         if not tripped:
             return None
         seen = list(dict.fromkeys(item.what for item in tripped))
@@ -367,11 +369,21 @@ def _float_leaves(value: Any) -> Iterator[tuple[str, torch.Tensor]]:
             yield label, leaf
 
 
-def _sum(tensor: torch.Tensor) -> torch.Tensor:
-    """A sum that is inf/nan when a value is: one read-only pass (float32 for half types, so finite values never
-    overflow it), no host sync."""
-    data = tensor.detach()
-    return data.sum(dtype=torch.float32) if data.dtype in _LOW_PRECISION else data.sum()
+def _look_at(output: torch.Tensor, what: str, batch_number: int, training: bool) -> _Seen:
+    """One read-only pass over `output`, no host sync. In training its min and max: exact (neither overflows from
+    finite values), and nothing is kept, since the check comes at the optimizer step. In evaluation, checked as the
+    batch ends, a float32/float64 output is summed (the cheapest pass there is) and kept until then, so a sum that
+    overflowed from finite values is told from an inf/nan by looking at the output itself."""
+    if not training and output.dtype in _SUMMED:
+        return _Seen((output.sum(),), what, batch_number, "eval", output)
+    return _Seen(tuple(torch.aminmax(output)), what, batch_number, "train" if training else "eval")
+
+
+def _holds_non_finite(item: _Seen) -> bool:
+    """The slow path, for the few items whose flag tripped: read their numbers (and look at a kept output)."""
+    if all(_finite(float(value)) for value in item.values):
+        return False
+    return item.output is None or not bool(torch.isfinite(item.output).all())
 
 
 def _finite(value: float) -> bool:

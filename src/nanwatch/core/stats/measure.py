@@ -25,6 +25,7 @@ __all__ = [
     "measure",
     "measure_together",
     "largest_magnitudes",
+    "MagnitudePlan",
     "StackPlan",
     "StatsCache",
     "ReadBack",
@@ -222,34 +223,74 @@ class StackPlan:
         return [measurement for measurement in ordered if measurement is not None]
 
 
-def largest_magnitudes(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """The largest |value| of each tensor (plain, strided, non-empty; a gradient), as 0-d tensors on its device, inf or
-    nan as soon as one value is; no host sync. On the CPU, small tensors of one dtype and shape are stacked and
-    reduced together (`_foreach_norm` runs one kernel per tensor there); elsewhere one `_foreach_norm`, a
-    multi-tensor kernel on those devices, takes them all."""
-    found: list[torch.Tensor | None] = [None] * len(tensors)
-    groups: dict[tuple[torch.dtype, torch.Size], list[int]] = {}
-    others: list[int] = []
-    for index, tensor in enumerate(tensors):
-        if tensor.is_cpu and tensor.numel() <= _STACK_MAX_NUMEL:
-            groups.setdefault((tensor.dtype, tensor.shape), []).append(index)
-        else:
-            others.append(index)
-    with torch.no_grad():
+class MagnitudePlan:
+    """How to take the largest |value| of each tensor of a list (a model's gradients, in the order of its parameters),
+    made once and used at every step while the tensors keep their shapes and dtypes.
+
+    `launch(tensors)` gives `(indices, vector)` pairs: `vector[k]` is the largest magnitude of `tensors[indices[k]]`,
+    inf or nan as soon as one of its values is; no host sync, and no Python object per tensor (the check reads the
+    vectors whole). Tensors must be plain, strided and non-empty. On an accelerator one `_foreach_norm(inf)`, a
+    multi-tensor kernel there, takes them all. On the CPU that is a slow per-tensor kernel (about five times an
+    `aminmax` over the same tensor), so each tensor's min and max are taken in one pass (both propagate nan, and an
+    inf shows in one of them), small tensors of one dtype and shape stacked together first.
+    """
+
+    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
+        self.size = len(tensors)
+        self.accelerated = not all(tensor.is_cpu for tensor in tensors)
+        self.stacks: list[list[int]] = []
+        self.alone: list[int] = []
+        if self.accelerated:
+            return
+        groups: dict[tuple[torch.dtype, torch.Size], list[int]] = {}
+        for index, tensor in enumerate(tensors):
+            if tensor.numel() <= _STACK_MAX_NUMEL:
+                groups.setdefault((tensor.dtype, tensor.shape), []).append(index)
+            else:
+                self.alone.append(index)
         for (_dtype, shape), indices in groups.items():
             if len(indices) < 2:
-                others += indices
+                self.alone += indices
                 continue
             per_stack = max(2, _STACK_ELEMENTS // max(1, shape.numel()))
-            for start in range(0, len(indices), per_stack):
-                chunk = indices[start : start + per_stack]
-                columns = torch.stack([tensors[index] for index in chunk]).abs_().view(len(chunk), -1).t()
-                for index, value in zip(chunk, columns.amax(0).unbind(), strict=True):
-                    found[index] = value
-        if others:
-            norms = torch._foreach_norm([tensors[index] for index in others], math.inf)
-            for index, value in zip(others, norms, strict=True):
-                found[index] = value
+            self.stacks += [indices[start : start + per_stack] for start in range(0, len(indices), per_stack)]
+
+    def launch(self, tensors: Sequence[torch.Tensor]) -> list[tuple[list[int], torch.Tensor]]:
+        """The magnitudes. Raises RuntimeError when a stacked tensor's shape changed since the plan was made."""
+        if len(tensors) != self.size:
+            raise RuntimeError(f"planned for {self.size} tensors, given {len(tensors)}")
+        with torch.no_grad():
+            if self.accelerated:
+                norms = torch._foreach_norm(list(tensors), math.inf)
+                by_kind: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+                for index, norm in enumerate(norms):
+                    by_kind.setdefault((norm.device, norm.dtype), []).append(index)
+                return [(indices, torch.stack([norms[i] for i in indices])) for indices in by_kind.values()]
+            found = []
+            for chunk in self.stacks:
+                # One column per tensor: amin/amax down the columns run as long vector passes (see StackPlan).
+                columns = torch.stack([tensors[index] for index in chunk]).view(len(chunk), -1).t()
+                found.append((chunk, torch.maximum(columns.amin(0).abs_(), columns.amax(0).abs_())))
+            if self.alone:
+                by_dtype: dict[torch.dtype, tuple[list[int], list[torch.Tensor]]] = {}
+                for index in self.alone:
+                    low, high = torch.aminmax(tensors[index])
+                    indices, ends = by_dtype.setdefault(tensors[index].dtype, ([], []))
+                    indices.append(index)
+                    ends += (low, high)
+                for indices, ends in by_dtype.values():
+                    pairs = torch.stack(ends).view(-1, 2).abs_()
+                    found.append((indices, pairs.amax(1)))
+            return found
+
+
+def largest_magnitudes(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The largest |value| of each tensor (plain, strided, non-empty), as 0-d tensors on its device, inf or nan as soon
+    as one value is; no host sync (`MagnitudePlan`, for a one-off list)."""
+    found: list[torch.Tensor | None] = [None] * len(tensors)
+    for indices, vector in MagnitudePlan(tensors).launch(tensors):
+        for index, value in zip(indices, vector.unbind(), strict=True):
+            found[index] = value
     return [value for value in found if value is not None]
 
 
