@@ -98,6 +98,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--no-hf", action="store_true", help="leave transformers' DebugUnderflowOverflow out")
     parser.add_argument("--no-sentinel", action="store_true", help="leave the sentinel and guard-alone variants out")
     parser.add_argument(
+        "--gc-pause-too",
+        action="store_true",
+        help="also time watch with pause_gc flipped (on by default): what pausing the garbage collector saves",
+    )
+    parser.add_argument(
         "--floor",
         action="store_true",
         help="also time an experiment: watch with one read-only aminmax per tensor instead of abs + aminmax "
@@ -599,6 +604,9 @@ def make_variants(args: argparse.Namespace, mode: str) -> list[Variant]:
         names.append(Variant("hf", None))
     if args.floor:
         names.append(Variant(FLOOR, config, _period(config)))
+    if args.gc_pause_too:
+        flipped = config.with_overrides(pause_gc=not config.pause_gc)
+        names.append(Variant(f"watch, pause_gc={flipped.pause_gc}", flipped, _period(flipped)))
     if args.scaler and mode == "train":
         names.append(Variant(NO_SCALER, config, _period(config), give_scaler=False))
     if args.each_option:

@@ -1,6 +1,7 @@
 """Activation checkpointing: the forwards `torch.utils.checkpoint` runs again during backward (reentrant or not) to
 recompute what it did not keep are recompute, not new calls. They add no forward frame, count nothing, and double no
-line of a backward frame, so a report never shows one call twice."""
+line of a backward frame, so a report never shows one call twice. With `watch_gradients`, whose frames tell the
+backward's story, each recompute is recorded there, in its place, as a frame marked `(recompute)`."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.utils.checkpoint import checkpoint
 
 from nanwatch import NonFiniteError, watch
-from nanwatch.core.frames import Direction
+from nanwatch.core.frames import Direction, resolve
 
 REENTRANT = pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
 
@@ -168,3 +169,54 @@ def test_a_transformers_model_with_gradient_checkpointing_records_each_call_once
         if key == "checkpointed":
             assert calls == [2]  # the layer ran again in backward
     assert frames["checkpointed"] == frames["plain"]
+
+
+@REENTRANT
+def test_with_watch_gradients_each_recompute_is_a_frame_marked_recompute(reentrant: bool) -> None:
+    model = _net(reentrant)
+    with watch(model, watch_gradients=True, max_frames_to_save=1000) as handle:
+        model(torch.randn(3, 4, requires_grad=True)).sum().backward()
+        frames = handle.watcher.recent_frames()
+        handle.step()
+    forward = [f.module_name for f in frames if f.direction is Direction.FORWARD]
+    recomputed = [f.module_name for f in frames if f.direction is Direction.RECOMPUTE]
+    # Each call once among the forward frames, as without checkpointing.
+    assert forward == ["inp", "blocks.0.fc", "blocks.0.act", "blocks.0", "blocks.1.fc", "blocks.1.act", "blocks.1"] + [
+        "out",
+        "",
+    ]
+    # Each checkpointed block ran again in backward, the later block first (a non-reentrant checkpoint stops its
+    # recompute once it has what backward needs: there, only the Linear).
+    expected = ["blocks.1.fc", "blocks.0.fc"] if not reentrant else ["blocks.1.fc", "blocks.1.act", "blocks.1"]
+    assert recomputed[: len(expected)] == expected
+    assert "blocks.0.fc" in recomputed
+    first_recompute = next(i for i, f in enumerate(frames) if f.direction is Direction.RECOMPUTE)
+    assert all(f.direction is not Direction.FORWARD for f in frames[first_recompute:])  # recorded in backward
+    shown = resolve([f for f in frames if f.direction is Direction.RECOMPUTE])
+    assert "Linear (recompute)" in {f.shown_class for f in shown}
+
+
+class FailsWhenRecomputed(nn.Linear):
+    """A Linear whose recompute, and only that, makes inf: a kernel that does not give the same numbers twice."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        recomputing = torch._C._current_graph_task_id() != -1
+        return super().forward(x) * (math.inf if recomputing else 1.0)
+
+
+@REENTRANT
+def test_a_nan_born_in_a_recompute_is_reported_at_its_recompute_frame(reentrant: bool, tmp_path: Path) -> None:
+    model = _net(reentrant)
+    model.blocks[1].fc = FailsWhenRecomputed(8, 8)
+
+    def step() -> None:
+        with watch(model, watch_gradients=True, report_dir=tmp_path) as handle:
+            model(torch.randn(3, 4, requires_grad=True)).sum().backward()
+            handle.step()
+
+    with pytest.raises(NonFiniteError) as info:
+        step()
+    assert (info.value.batch_number, info.value.module_name) == (0, "blocks.1.fc")
+    assert "blocks.1.fc FailsWhenRecomputed (recompute)" in info.value.report
+    report = json.loads((tmp_path / "nanwatch-report-rank0-batch0.json").read_text(encoding="utf-8"))
+    assert report["frames"][-1]["class"] == "FailsWhenRecomputed (recompute)"

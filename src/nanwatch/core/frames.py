@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "BACKWARD_SUFFIX",
+    "RECOMPUTE_SUFFIX",
     "Direction",
     "Entry",
     "Frame",
@@ -32,18 +33,23 @@ __all__ = [
     "ResolvedFrame",
     "Role",
     "resolve",
+    "shown_class",
 ]
 
-# How a backward frame's class and lines are shown: `Linear (backward)`, `grad output`, `grad weight`.
+# How a backward frame's class and lines are shown: `Linear (backward)`, `grad output`, `grad weight`; and a forward
+# that activation checkpointing runs again during backward: `Linear (recompute)`.
 BACKWARD_SUFFIX = " (backward)"
+RECOMPUTE_SUFFIX = " (recompute)"
 GRAD_PREFIX = "grad "
 
 
 class Direction(enum.Enum):
-    """When a frame was recorded: as a module's forward returned, or as autograd produced its gradients."""
+    """When a frame was recorded: as a module's forward returned, as autograd produced its gradients, or as a forward
+    ran again during backward to recompute what activation checkpointing did not keep."""
 
     FORWARD = "forward"
     BACKWARD = "backward"
+    RECOMPUTE = "recompute"
 
 
 class Role(enum.Enum):
@@ -124,8 +130,8 @@ class ResolvedFrame:
 
     @property
     def shown_class(self) -> str:
-        """The class as the text shows it: `Linear`, or `Linear (backward)` for a backward frame."""
-        return self.class_name + BACKWARD_SUFFIX if self.direction is Direction.BACKWARD else self.class_name
+        """The class as the text shows it: `Linear`, `Linear (backward)` or `Linear (recompute)`."""
+        return shown_class(self.class_name, self.direction)
 
 
 class FrameRing:
@@ -160,6 +166,15 @@ class FrameRing:
 
     def __len__(self) -> int:
         return len(self._frames)
+
+
+def shown_class(class_name: str, direction: Direction) -> str:
+    """A frame's class as the text shows it, marked by when the frame was recorded."""
+    if direction is Direction.BACKWARD:
+        return class_name + BACKWARD_SUFFIX
+    if direction is Direction.RECOMPUTE:
+        return class_name + RECOMPUTE_SUFFIX
+    return class_name
 
 
 def resolve(frames: Sequence[Frame]) -> list[ResolvedFrame]:

@@ -34,7 +34,8 @@ from nanwatch.core.features.headroom import HeadroomMonitor
 from nanwatch.core.features.loss_scale import GradScalerLike, LossScaleFeature, LossScaleMonitor
 from nanwatch.core.features.summary import Summary, SummaryFeature
 from nanwatch.core.formats.files import prepare_report_dir, write_report
-from nanwatch.core.frames import Entry, Frame, FrameRing, Role, resolve
+from nanwatch.core.frames import Direction, Entry, Frame, FrameRing, Role, resolve
+from nanwatch.core.gcpause import pause_collection, resume_collection
 from nanwatch.core.hooks import HookSet, module_class_name, named_unique_modules, recomputing, reshards_after_forward
 from nanwatch.core.log import get_logger
 from nanwatch.core.ranks import Detection, DetectionBoard, Kind, world_size_and_rank
@@ -63,6 +64,7 @@ _MAX_PENDING_FRAMES = 20_000
 _INPUT_LABELS = tuple(f"input[{index}]" for index in range(16))
 _ITEM_SUFFIXES = tuple(f"[{index}]" for index in range(16))
 _PARAMETER, _INPUT, _OUTPUT = Role.PARAMETER, Role.INPUT, Role.OUTPUT
+_FORWARD, _RECOMPUTE = Direction.FORWARD, Direction.RECOMPUTE
 _ROLES = {role.value: role for role in Role}
 # Keyword inputs hold flags, sizes and caches as often as tensors: only values of these kinds are looked into.
 _PLAIN_VALUES = (bool, int, float, str, type(None))
@@ -213,6 +215,7 @@ class Watcher:
                 if report is not None:
                     self._publish(report)
         finally:
+            resume_collection()
             self._hooks.remove_all()
             self._sink.close()
             # The root's hooks run in frames dynamo compiles on their own, which hold this watcher: let them go.
@@ -242,6 +245,8 @@ class Watcher:
             self._cache.forget_parameters()
             self._phase = phase
             self._update_tracing()
+        if self._recording and self.config.pause_gc and self.config.mode == "full":
+            pause_collection()  # until this micro-batch is checked (core/gcpause.py)
         if phase == "train":
             self._batch_started = True
             if self._board is not None and self._board.posted_elsewhere():
@@ -259,6 +264,12 @@ class Watcher:
             BatchLimitReached: `abort_after_batch_num` was the batch that just ended.
         """
         self._set_counters(optimizer_step, epoch)
+        try:
+            self._end_batch()
+        finally:
+            resume_collection()
+
+    def _end_batch(self) -> None:
         if self._phase == "eval":
             self._settle(hold=False, wait=False)
             self._dispatch("on_batch_end", "eval", self.eval_batch_number)
@@ -428,6 +439,7 @@ class Watcher:
 
     def _make_hook(self, name: str, class_name: str) -> Any:
         prefix, kernels, record = frame_key(self._sink.token, name, class_name), self._cache.kernels, self._record
+        recomputes_shown = self.config.watch_gradients
         known: list[Entry] = []  # this module's parameter lines, reused while their measurements are (`_record`)
 
         def forward_hook(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
@@ -438,11 +450,15 @@ class Watcher:
                 # of it (core/stats/compiled.py).
                 record_call(prefix, module, args, kwargs, output, kernels)
                 return
-            # A recompute of activation checkpointing (during backward) repeats a call already recorded: not a new one.
+            # A recompute of activation checkpointing (during backward) repeats a call already recorded, not a new
+            # one: it is part of the backward story, shown with it (watch_gradients) as a frame marked `(recompute)`.
+            direction = _FORWARD
             if recomputing():
-                return
+                if not recomputes_shown:
+                    return
+                direction = _RECOMPUTE
             try:
-                record(name, class_name, module, args, kwargs, output, known)
+                record(name, class_name, module, args, kwargs, output, known, direction)
             except Exception as error:  # our bookkeeping must never kill a healthy run
                 self._disable(f"recording {name or type(module).__name__} failed: {error!r}")
 
@@ -457,6 +473,7 @@ class Watcher:
         kwargs: dict[str, Any],
         output: Any,
         known: list[Entry],
+        direction: Direction,
     ) -> None:
         # Runs after every module's forward, right after heavy kernels have flushed the CPU caches, where each
         # Python operation costs several times what it costs in isolation: keep the work per call minimal. No
@@ -495,9 +512,8 @@ class Watcher:
         else:
             self._add_leaves(entries, output, "output", _OUTPUT)
         phase = self._phase
-        frame = Frame(
-            name, class_name, self.batch_number if phase == "train" else self.eval_batch_number, phase, entries
-        )
+        batch = self.batch_number if phase == "train" else self.eval_batch_number
+        frame = Frame(name, class_name, batch, phase, entries, direction)
         self._pending.append(frame)
         if self._tracing:
             self._dispatch("on_frame", frame, module, args, output)
@@ -812,6 +828,7 @@ class Watcher:
 
     def _raise_detection(self, local: Report | None, agreed: Detection) -> NoReturn:
         """Raise `NonFiniteError`: the same on every rank, for the detecting rank and batch `agreed` names."""
+        resume_collection()  # the micro-batch ends here
         self._detection, self._published = None, False  # raised once: it is the caller's now
         ours = local is not None and (local.batch_number, self.rank) == (agreed.batch_number, agreed.rank)
         mine = local if ours else None
@@ -883,6 +900,7 @@ class Watcher:
             return
         self._disabled_reason = reason
         self._recording = self._tracing = False
+        resume_collection()
         self._pending.clear()
         self._warn(f"nanwatch stopped watching (the run goes on): {reason}")
 

@@ -10,7 +10,8 @@ parameter, an input or an output of one module call), schema version 2:
 - `phase`: "train" or "eval"; `batch`: the micro-batch of that phase the frame belongs to (0-indexed).
 - `optimizer_step`, `epoch`: the counters when the record was written, null when nobody counted them.
 - `frame`: the frame's index: within the report (0 is its oldest frame), or within the traced batch (call order).
-- `module`, `class`: the module's qualified name ("" for the root) and class; `direction`: "forward" or "backward".
+- `module`, `class`: the module's qualified name ("" for the root) and class; `direction`: "forward", "backward" or
+  "recompute" (a forward that activation checkpointing ran again during backward, recorded with `watch_gradients`).
 - `label`: "weight", "input[0]", "output.logits", "grad output", ... as the text shows it (null only for a frame
   that holds no line at all); `role`: "parameter", "input", "output" or "loss" (in a backward frame: the tensor
   whose gradient the line is).
@@ -36,7 +37,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nanwatch.core.frames import BACKWARD_SUFFIX, GRAD_PREFIX, Direction, ResolvedEntry, ResolvedFrame, Role
+from nanwatch.core.frames import (
+    BACKWARD_SUFFIX,
+    GRAD_PREFIX,
+    Direction,
+    ResolvedEntry,
+    ResolvedFrame,
+    Role,
+    shown_class,
+)
 from nanwatch.core.report import TABLE_HEADER, Report, format_batch_start, format_frame
 from nanwatch.core.stats import registry
 from nanwatch.core.stats.base import Number, Values, decode_number
@@ -193,7 +202,7 @@ class LineRecord:
 
     @property
     def shown_class(self) -> str:
-        return self.class_name + BACKWARD_SUFFIX if self.direction is Direction.BACKWARD else self.class_name
+        return shown_class(self.class_name, self.direction)
 
     def column(self, name: str) -> Number | None:
         """The value of one statistic column (`"nan"`, `"subnormal"`, ...), None where it is null."""

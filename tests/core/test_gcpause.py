@@ -1,0 +1,122 @@
+"""core/gcpause.py and its use by the engine: Python's automatic garbage collection pauses from a watched full-mode
+micro-batch's start to its check, and comes back however the micro-batch ends (a clean step, a detection at the
+optimizer step, close, the next watcher's check after one was abandoned mid-batch); a collector the user disabled
+stays disabled, and `pause_gc=False` or sentinel mode never touch it."""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Iterator
+
+import pytest
+import torch
+from torch import nn
+
+import nanwatch
+from nanwatch import NonFiniteError
+from nanwatch.core.gcpause import collection_paused, pause_collection, resume_collection
+
+
+@pytest.fixture(autouse=True)
+def collector_enabled() -> Iterator[None]:
+    gc.enable()
+    yield
+    assert not collection_paused(), "a test left the collector paused"
+    gc.enable()
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 1))
+
+
+class SeesTheCollector(nn.Module):
+    """Notes, at each forward, whether automatic collection was enabled; an inf output when told to."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3, 1)
+        self.enabled: list[bool] = []
+        self.inf = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.enabled.append(gc.isenabled())
+        return self.fc(x) * (float("inf") if self.inf else 1.0)
+
+
+def test_a_watched_micro_batch_runs_paused_and_the_collector_comes_back_at_its_check() -> None:
+    model = SeesTheCollector()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanwatch.watch(model, optimizer=optimizer) as handle:
+        for _ in range(2):
+            model(torch.ones(2, 3)).sum().backward()
+            assert not gc.isenabled()  # still paused through backward and the step
+            optimizer.step()
+            optimizer.zero_grad()
+            handle.step()
+            assert gc.isenabled()
+    assert model.enabled == [False, False]
+
+
+def test_a_detection_at_the_optimizer_step_resumes_the_collector() -> None:
+    model = SeesTheCollector()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    handle = nanwatch.watch(model, optimizer=optimizer)
+    model.inf = True
+    model(torch.ones(2, 3)).sum().backward()
+    with pytest.raises(NonFiniteError):
+        optimizer.step()
+    assert gc.isenabled()
+    handle.close()
+
+
+def test_close_resumes_the_collector() -> None:
+    model = _model()
+    handle = nanwatch.watch(model)
+    model(torch.ones(1, 3))  # a micro-batch left open (the user's loop raised, say)
+    assert not gc.isenabled()
+    handle.close()
+    assert gc.isenabled()
+
+
+def test_a_watcher_abandoned_mid_batch_holds_the_pause_only_until_the_next_check() -> None:
+    # A notebook: the first run raised inside the forward and its handle was never closed; a new watch() of another
+    # model goes on, and its first check resumes the collector whatever the first one does.
+    first = SeesTheCollector()
+    abandoned = nanwatch.watch(first)
+    first(torch.ones(2, 3))
+    assert not gc.isenabled()
+    second = _model()
+    with nanwatch.watch(second) as handle:
+        second(torch.ones(1, 3))
+        handle.step()
+        assert gc.isenabled()
+    abandoned.close()
+
+
+def test_pause_and_resume_are_one_switch() -> None:
+    pause_collection()
+    pause_collection()
+    assert not gc.isenabled()
+    resume_collection()
+    assert gc.isenabled()
+    resume_collection()  # nothing to resume: the collector stays as it is
+    assert gc.isenabled()
+
+
+def test_a_collector_the_user_disabled_stays_disabled() -> None:
+    gc.disable()
+    model = _model()
+    with nanwatch.watch(model) as handle:
+        model(torch.ones(1, 3))
+        handle.step()
+    assert not gc.isenabled()
+
+
+@pytest.mark.parametrize("overrides", [{"pause_gc": False}, {"mode": "sentinel"}])
+def test_pause_gc_false_and_sentinel_mode_leave_the_collector_alone(overrides: dict[str, object]) -> None:
+    model = SeesTheCollector()
+    with nanwatch.watch(model, **overrides) as handle:  # type: ignore[arg-type]
+        model(torch.ones(2, 3))
+        handle.step()
+    assert model.enabled == [True]
