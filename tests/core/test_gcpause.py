@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 import nanwatch
+import nanwatch.core.watcher
 from nanwatch import NonFiniteError
 from nanwatch.core.gcpause import collection_paused, pause_collection, resume_collection
 
@@ -120,3 +121,15 @@ def test_pause_gc_false_and_sentinel_mode_leave_the_collector_alone(overrides: d
         model(torch.ones(2, 3))
         handle.step()
     assert model.enabled == [True]
+
+
+def test_a_loop_that_never_ends_its_micro_batch_gets_the_collector_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(nanwatch.core.watcher, "_MAX_PENDING_FRAMES", 20)
+    model = _model()
+    seen = []
+    with nanwatch.watch(model):  # step() never called: one micro-batch that goes on and on
+        for _ in range(12):  # 4 frames a forward: past 20 pending, a check mid-batch lets the pause go
+            model(torch.ones(1, 3))
+            seen.append(gc.isenabled())
+    assert seen[:5] == [False] * 5  # 20 frames pending: still paused
+    assert True in seen[5:]  # the pause never outlasts 20 pending frames

@@ -11,7 +11,8 @@ Only automatic collection pauses (`gc.collect()` still works), and only from a w
 check: reference counting frees everything as usual, and only garbage in reference cycles waits. It is one switch
 for the process, not a count of holders: whichever watcher ends a micro-batch, raises or closes resumes the
 collector, so a watcher abandoned mid-batch (its loop raised, and it was never closed) keeps it paused only until
-any watcher's next check. A collector that was already disabled is left alone.
+any watcher's next check, and a loop that never ends its micro-batches gets it back once 20,000 frames are pending.
+A collector that was already disabled is left alone.
 """
 
 from __future__ import annotations

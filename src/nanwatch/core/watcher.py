@@ -723,6 +723,8 @@ class Watcher:
         self._cache.forget_activations()
 
     def _commit_if_clean(self) -> None:
+        # A micro-batch this long (a loop that never ends its batches): its frames go now, and so does the pause.
+        resume_collection()
         report = self._check()
         # Kept for the next check (raising here would skip the collective); the first detection is the one.
         if report is not None and self._held_report is None:
