@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tests.tiny_transformers import tiny_vit
 
 from nanwatch import NonFiniteError
 
@@ -32,18 +33,7 @@ class Images(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
 
 
 def test_the_trainer_reports_a_nan_in_pixel_values_as_bad_input_data(tmp_path: Path) -> None:
-    config = transformers.ViTConfig(
-        image_size=8,
-        patch_size=4,
-        num_channels=3,
-        hidden_size=16,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        intermediate_size=32,
-        num_labels=3,
-    )
-    torch.manual_seed(0)
-    model = transformers.ViTForImageClassification(config)
+    model = tiny_vit()
     args = transformers.TrainingArguments(
         output_dir=str(tmp_path),
         per_device_train_batch_size=4,

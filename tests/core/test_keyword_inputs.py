@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+from tests.tiny_transformers import tiny_vit
 from torch import nn
 
 import nanwatch
@@ -17,21 +18,6 @@ from nanwatch.core.frames import ResolvedFrame, resolve
 from nanwatch.core.report import format_entry
 
 transformers = pytest.importorskip("transformers")
-
-
-def _vit() -> Any:
-    config = transformers.ViTConfig(
-        image_size=8,
-        patch_size=4,
-        num_channels=3,
-        hidden_size=16,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        intermediate_size=32,
-        num_labels=3,
-    )
-    torch.manual_seed(0)
-    return transformers.ViTForImageClassification(config)
 
 
 def _images(index: int) -> dict[str, torch.Tensor]:
@@ -44,7 +30,7 @@ def _lines(frame: ResolvedFrame) -> dict[str, str]:
 
 
 def test_a_nan_in_a_keyword_tensor_is_blamed_on_that_input_of_the_model() -> None:
-    model = _vit()
+    model = tiny_vit()
 
     def train() -> None:
         with nanwatch.watch(model) as handle:
@@ -69,7 +55,7 @@ def test_a_nan_in_a_keyword_tensor_is_blamed_on_that_input_of_the_model() -> Non
 
 
 def test_keyword_tensors_get_lines_of_their_own_after_the_positional_inputs() -> None:
-    model = _vit()
+    model = tiny_vit()
     batch = _images(0)
     with nanwatch.watch(model) as handle:
         model(**batch, output_attentions=False, return_dict=True)  # flags get no line
@@ -112,7 +98,7 @@ def test_keyword_containers_are_walked_for_their_tensors_and_nothing_else_gets_a
 
 def test_the_drop_in_still_sees_positional_inputs_only() -> None:
     # transformers' tool prints what its forward hooks see: positional inputs. The drop-in prints the same.
-    model = _vit()
+    model = tiny_vit()
     buffer = io.StringIO()
     with DebugUnderflowOverflow(model, trace_batch_nums=[0]) as debug, contextlib.redirect_stdout(buffer):
         model(**_images(0))

@@ -15,10 +15,10 @@ from nanwatch.core.frames import Entry, Frame, Role, resolve
 from nanwatch.core.report import format_entry
 from nanwatch.core.stats.kernels import FLOAT8_DTYPES
 from nanwatch.core.stats.measure import (
+    MagnitudePlan,
     Measurement,
     StatsCache,
     holds_non_finite,
-    largest_magnitudes,
     measure,
     read_flags,
 )
@@ -433,7 +433,7 @@ def test_read_flags_names_the_owners_of_the_flags_that_tripped() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
 @pytest.mark.parametrize("bad", [None, math.nan, math.inf, -math.inf])
-def test_largest_magnitudes_equal_abs_amax_stacked_or_alone(dtype: torch.dtype, bad: float | None) -> None:
+def test_magnitude_plan_gives_abs_amax_stacked_or_alone(dtype: torch.dtype, bad: float | None) -> None:
     torch.manual_seed(0)
     # Small tensors of one shape are stacked together (the bad value in the middle one), the large one is alone, and
     # a second dtype's tensors are combined apart.
@@ -445,9 +445,14 @@ def test_largest_magnitudes_equal_abs_amax_stacked_or_alone(dtype: torch.dtype, 
         small[1][2, 3] = bad
         large[12_345] = bad
     tensors = [small[0], large, other[0], small[1], one_of_a_shape, other[1], small[2]]
-    found = largest_magnitudes(tensors)
-    assert len(found) == len(tensors)
-    for tensor, value in zip(tensors, found, strict=True):
+    groups = MagnitudePlan(tensors).launch(tensors)
+    found: dict[int, torch.Tensor] = {}
+    for indices, vector in groups:
+        assert vector.shape == (len(indices),)
+        found.update(zip(indices, vector.unbind(), strict=True))
+    assert sorted(found) == list(range(len(tensors)))  # each tensor once
+    for index, tensor in enumerate(tensors):
+        value = found[index]
         expected = tensor.abs().amax()
         assert value.shape == ()
         assert value.dtype == tensor.dtype

@@ -24,7 +24,6 @@ __all__ = [
     "Measurement",
     "measure",
     "measure_together",
-    "largest_magnitudes",
     "MagnitudePlan",
     "StackPlan",
     "StatsCache",
@@ -282,16 +281,6 @@ class MagnitudePlan:
                     pairs = torch.stack(ends).view(-1, 2).abs_()
                     found.append((indices, pairs.amax(1)))
             return found
-
-
-def largest_magnitudes(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """The largest |value| of each tensor (plain, strided, non-empty), as 0-d tensors on its device, inf or nan as soon
-    as one value is; no host sync (`MagnitudePlan`, for a one-off list)."""
-    found: list[torch.Tensor | None] = [None] * len(tensors)
-    for indices, vector in MagnitudePlan(tensors).launch(tensors):
-        for index, value in zip(indices, vector.unbind(), strict=True):
-            found[index] = value
-    return [value for value in found if value is not None]
 
 
 def _extras(data: torch.Tensor, kernels: ExtraKernels) -> dict[str, torch.Tensor] | None:
