@@ -106,6 +106,37 @@ def test_a_shared_module_takes_the_first_name_and_records_each_call() -> None:
     assert _entry(frames[0], "output") == (once.abs().min().item(), once.abs().max().item())
 
 
+@pytest.mark.parametrize("change", ["in place", "replaced", "data assigned"])
+def test_a_weight_changed_between_two_calls_of_one_batch_is_measured_again(change: str) -> None:
+    class Twice(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = nn.Linear(3, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            first = self.layer(x)
+            with torch.no_grad():  # what the module's second call sees is another weight
+                if change == "in place":
+                    self.layer.weight.mul_(10)
+                elif change == "replaced":
+                    self.layer.weight = nn.Parameter(self.layer.weight * 10)
+                else:
+                    self.layer.weight.data = self.layer.weight.data * 10
+            return self.layer(first)
+
+    torch.manual_seed(0)
+    model = Twice()
+    before = _abs_range(model.layer.weight)
+    watcher = Watcher(model, WatchConfig())
+    watcher.attach()
+    model(torch.randn(2, 3))
+    first, second, _root = _resolved(watcher)
+    assert _entry(first, "weight") == before
+    assert _entry(second, "weight") == _abs_range(model.layer.weight)
+    assert _entry(second, "weight")[1] == pytest.approx(10 * before[1])
+    assert _entry(second, "bias") == _entry(first, "bias")
+
+
 def test_recorded_numbers_are_exact_and_survive_an_in_place_relu() -> None:
     model = nn.Sequential(nn.Linear(4, 6), nn.ReLU(inplace=True), nn.Linear(6, 2))
     x = torch.randn(5, 4)

@@ -36,7 +36,7 @@ from nanwatch.core.features.summary import Summary, SummaryFeature
 from nanwatch.core.formats.files import prepare_report_dir, write_report
 from nanwatch.core.frames import Direction, Entry, Frame, FrameRing, Role, resolve
 from nanwatch.core.gcpause import pause_collection, resume_collection
-from nanwatch.core.hooks import HookSet, module_class_name, named_unique_modules, recomputing, reshards_after_forward
+from nanwatch.core.hooks import HookSet, module_class_name, named_unique_modules, reshards_after_forward
 from nanwatch.core.log import get_logger
 from nanwatch.core.ranks import Detection, DetectionBoard, Kind, world_size_and_rank
 from nanwatch.core.report import Report, ReportSection
@@ -50,7 +50,14 @@ from nanwatch.core.stats.compiled import (
     record_call,
     record_marker,
 )
-from nanwatch.core.stats.measure import Measurement, StatsCache, extra_kernels, read_flags, stack_maxima
+from nanwatch.core.stats.measure import (
+    Measurement,
+    StatsCache,
+    TrackedBatch,
+    extra_kernels,
+    read_flags,
+    stack_maxima,
+)
 from nanwatch.core.walk import TooDeep, TooMany, walk
 from nanwatch.errors import BatchLimitReached, NanwatchError, NanwatchWarning, NonFiniteError
 
@@ -68,7 +75,10 @@ _FORWARD, _RECOMPUTE = Direction.FORWARD, Direction.RECOMPUTE
 _ROLES = {role.value: role for role in Role}
 # Keyword inputs hold flags, sizes and caches as often as tensors: only values of these kinds are looked into.
 _PLAIN_VALUES = (bool, int, float, str, type(None))
+_PLAIN_PARAMETERS = (torch.nn.Parameter, torch.Tensor)
 _is_compiling = torch.compiler.is_compiling
+# -1 unless autograd runs a backward on this thread: what `hooks.recomputing()` asks, called here directly.
+_graph_task_id = torch._C._current_graph_task_id
 _F = TypeVar("_F", bound=Feature)
 
 
@@ -440,7 +450,7 @@ class Watcher:
     def _make_hook(self, name: str, class_name: str) -> Any:
         prefix, kernels, record = frame_key(self._sink.token, name, class_name), self._cache.kernels, self._record
         recomputes_shown = self.config.watch_gradients
-        known: list[Entry] = []  # this module's parameter lines, reused while their measurements are (`_record`)
+        known = _ParameterLines()  # this module's parameter lines, made once per batch (`_record`)
 
         def forward_hook(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
             if not self._recording:
@@ -453,7 +463,7 @@ class Watcher:
             # A recompute of activation checkpointing (during backward) repeats a call already recorded, not a new
             # one: it is part of the backward story, shown with it (watch_gradients) as a frame marked `(recompute)`.
             direction = _FORWARD
-            if recomputing():
+            if _graph_task_id() != -1:  # `recomputing()`, asked here without a second `_is_compiling()`
                 if not recomputes_shown:
                     return
                 direction = _RECOMPUTE
@@ -472,32 +482,15 @@ class Watcher:
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         output: Any,
-        known: list[Entry],
+        known: _ParameterLines,
         direction: Direction,
     ) -> None:
         # Runs after every module's forward, right after heavy kernels have flushed the CPU caches, where each
         # Python operation costs several times what it costs in isolation: keep the work per call minimal. No
         # `torch.no_grad()` here: measuring works on detached tensors, so it never builds a graph anyway.
         cache = self._cache
-        entries: list[Entry] = []
         params = module._parameters
-        if params:
-            # A parameter's line is the same object from call to call while its measurement is (once per batch):
-            # fewer objects made per call, fewer for the garbage collector to walk.
-            parameter = cache.parameter
-            index = 0
-            for param_name, param in params.items():
-                if param is not None:
-                    measurement = parameter(param)
-                    if index < len(known):
-                        entry = known[index]
-                        if entry.measurement is not measurement or entry.label != param_name:
-                            entry = known[index] = Entry(param_name, _PARAMETER, measurement)
-                    else:
-                        entry = Entry(param_name, _PARAMETER, measurement)
-                        known.append(entry)
-                    entries.append(entry)
-                    index += 1
+        entries = known.lines(params, cache) if params else []
         activation = cache.activation
         for index, value in enumerate(args):
             label = _INPUT_LABELS[index] if index < len(_INPUT_LABELS) else f"input[{index}]"
@@ -951,6 +944,70 @@ class _Read:
 
     def __get__(self, context: _Context, owner: type | None = None) -> Any:
         return getattr(context._engine, self.name)
+
+
+class _ParameterLines:
+    """One module's parameter lines. Made once per batch from the parameters' batch measurements, and used again at
+    every later call of the batch; asked of the cache one by one only when a parameter is not tracked, or was changed
+    (version counter, storage) or replaced since it was measured. Each call then costs a check of the parameters'
+    fingerprints, not a lookup per parameter, and the calls of a batch share the line objects (fewer objects for the
+    garbage collector to walk)."""
+
+    __slots__ = ("batch", "entries", "slots", "named")
+
+    def __init__(self) -> None:
+        self.batch: TrackedBatch | None = None  # the batch whose measurements `entries` hold
+        self.entries: list[Entry] = []
+        # Per item of the module's parameter dict: the tensor and where it is among the tracked (-1 for a None); None
+        # until made, or when not every parameter is tracked.
+        self.slots: list[tuple[torch.Tensor | None, int]] | None = None
+        self.named: list[tuple[str, int]] = []
+
+    def lines(self, params: Mapping[str, torch.Tensor | None], cache: StatsCache) -> list[Entry]:
+        slots = self.slots
+        if slots is not None:
+            batch = cache.tracked_batch()
+            if batch is not None and self._unchanged(params, slots, batch):
+                if self.batch is not batch:  # the module's first call of this batch
+                    measurements = batch.measurements
+                    self.entries = [Entry(name, _PARAMETER, measurements[index]) for name, index in self.named]
+                    self.batch = batch
+                return self.entries.copy()
+        return self._make(params, cache)
+
+    @staticmethod
+    def _unchanged(
+        params: Mapping[str, torch.Tensor | None], slots: list[tuple[torch.Tensor | None, int]], batch: TrackedBatch
+    ) -> bool:
+        if len(params) != len(slots):
+            return False
+        versions, pointers = batch.versions, batch.pointers
+        for param, (known, index) in zip(params.values(), slots, strict=True):
+            if param is not known:
+                return False
+            if param is not None and (param._version != versions[index] or param.data_ptr() != pointers[index]):
+                return False
+        return True
+
+    def _make(self, params: Mapping[str, torch.Tensor | None], cache: StatsCache) -> list[Entry]:
+        entries: list[Entry] = []
+        slots: list[tuple[torch.Tensor | None, int]] = []
+        named: list[tuple[str, int]] = []
+        tracked = True
+        for name, param in params.items():
+            if param is None:
+                slots.append((None, -1))
+                continue
+            entries.append(Entry(name, _PARAMETER, cache.parameter(param)))
+            index = cache.index_of(param) if type(param) in _PLAIN_PARAMETERS else None
+            if index is None:  # measured apart (an inference tensor, a DTensor): asked for at every call
+                tracked = False
+            else:
+                slots.append((param, index))
+                named.append((name, index))
+        self.slots, self.named = (slots if tracked else None), named
+        self.batch = None  # these lines may hold a changed parameter's own measurement, not the batch's
+        return entries
 
 
 class _Context:

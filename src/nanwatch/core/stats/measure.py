@@ -19,6 +19,7 @@ from nanwatch.core.stats.base import Kernel, Values
 from nanwatch.core.stats.kernels import ABS_KEEPS_DTYPE, FLOAT8_DTYPES
 from nanwatch.core.stats.registry import extras, lead
 from nanwatch.core.stats.sharded import local_shard
+from nanwatch.core.stats.staging import STAGE_MAX_NUMEL, Rows, Staging
 
 __all__ = [
     "Measurement",
@@ -27,6 +28,7 @@ __all__ = [
     "MagnitudePlan",
     "StackPlan",
     "StatsCache",
+    "TrackedBatch",
     "ReadBack",
     "read_back",
     "extra_kernels",
@@ -62,37 +64,16 @@ class Measurement:
         return self.abs_max is not None and self.abs_max.is_floating_point()
 
 
-class _Rows:
-    """The abs min and max of a stack of tensors measured together (`StackPlan`): two device vectors, cut into each
-    tensor's 0-d values only when something reads them one by one (a report, a trace), never at every batch: the
-    check reads the vectors whole (`stack_maxima`)."""
-
-    __slots__ = ("lows", "highs", "_low_items", "_high_items")
-
-    def __init__(self, lows: torch.Tensor, highs: torch.Tensor) -> None:
-        self.lows, self.highs = lows, highs
-        self._low_items: tuple[torch.Tensor, ...] | None = None
-        self._high_items: tuple[torch.Tensor, ...] | None = None
-
-    def low(self, row: int) -> torch.Tensor:
-        if self._low_items is None:
-            self._low_items = self.lows.unbind()
-        return self._low_items[row]
-
-    def high(self, row: int) -> torch.Tensor:
-        if self._high_items is None:
-            self._high_items = self.highs.unbind()
-        return self._high_items[row]
-
-
 class StackedMeasurement(Measurement):
-    """A measurement that is row `row` of a stack measured together: `abs_min` and `abs_max` are made when read."""
+    """A measurement that is row `row` of tensors measured together (a stack of parameters, staged activations):
+    `abs_min` and `abs_max` are made when read."""
 
     __slots__ = ("rows", "row")
 
-    def __init__(self, rows: _Rows, row: int, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    def __init__(self, rows: Rows, row: int, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+        # Made at every staged module output: the fields set directly, not through the dataclass's __init__.
         self.rows, self.row = rows, row
-        super().__init__(None, None, dtype, shape)
+        self.dtype, self.shape, self.skipped, self.extra = dtype, shape, None, None
 
     @property
     def abs_min(self) -> torch.Tensor:
@@ -208,7 +189,7 @@ class StackPlan:
                 # (aminmax along short rows is several times slower). min and max propagate nan, as a whole-tensor
                 # aminmax does.
                 columns = torch.stack(stack).abs_().view(len(stack), -1).t()
-                rows = _Rows(columns.amin(0), columns.amax(0))
+                rows = Rows(columns.amin(0), columns.amax(0))
                 sizes = tuple(shape)
                 for row, tensor in enumerate(stack):
                     one = StackedMeasurement(rows, row, dtype, sizes)
@@ -354,15 +335,19 @@ _Owner = TypeVar("_Owner")
 def stack_maxima(measurements: Iterable[Measurement]) -> dict[tuple[torch.device, torch.dtype | None], torch.Tensor]:
     """The floating-point abs maxima, each measurement once, stacked by (device, dtype of the measured tensor)."""
     groups: dict[tuple[torch.device, torch.dtype | None], list[torch.Tensor]] = {}
-    stacked: dict[int, tuple[_Rows, torch.dtype | None, list[int]]] = {}
+    stacked: dict[int, tuple[Rows, torch.dtype | None, list[int]]] = {}
     seen: set[int] = set()
     for measurement in measurements:
-        if id(measurement) in seen:
+        key = id(measurement)
+        if key in seen:
             continue
-        seen.add(id(measurement))
+        seen.add(key)
         if type(measurement) is StackedMeasurement:  # read with its stack's vector, not one by one
             rows = measurement.rows
-            stacked.setdefault(id(rows), (rows, measurement.dtype, []))[2].append(measurement.row)
+            stack = stacked.get(id(rows))
+            if stack is None:
+                stack = stacked[id(rows)] = (rows, measurement.dtype, [])
+            stack[2].append(measurement.row)
             continue
         maximum = measurement.abs_max
         # abs_max is nan when any value is nan, inf when any is inf: it alone says whether a tensor is finite.
@@ -483,6 +468,16 @@ def _seen(tensor: torch.Tensor, version: int, pointer: int, measurement: Measure
 _ActivationHit = _Seen
 
 
+@dataclass(frozen=True, slots=True)
+class TrackedBatch:
+    """One batch's measurements of the tracked parameters, in the plan's order, with each parameter's version
+    counter and storage when it was measured: a measurement holds while the parameter still has both."""
+
+    measurements: list[Measurement]
+    versions: list[int]
+    pointers: list[int]
+
+
 class StatsCache:
     """Remembers measurements so a tensor seen twice unchanged is measured once.
 
@@ -512,11 +507,14 @@ class StatsCache:
         self._versions: list[int] = []
         self._pointers: list[int] = []
         self._dtypes: list[torch.dtype] = []
+        self._tracked: TrackedBatch | None = None
         # The tensor looked up last: most often one module's output, about to be the next one's input.
         self._last: _ActivationHit | None = None
         # Activations by identity, and by where their values live (views sharing a measurement, `_activation_miss`).
         self._by_id: dict[int, _ActivationHit] = {}
         self._activations: dict[object, _ActivationHit] = {}
+        # Small activations are copied there and measured together when read (the check).
+        self._staging = Staging()
 
     @property
     def kernels(self) -> ExtraKernels:
@@ -532,6 +530,19 @@ class StatsCache:
         self._plan = StackPlan(list(unique.values())) if unique else None
         self._index = {key: index for index, key in enumerate(unique)}
         self._measured = None
+
+    def tracked_batch(self) -> TrackedBatch | None:
+        """This batch's measurements of the tracked parameters, with their fingerprints then (all measured now if
+        they were not yet); a new object after every `forget_parameters()`. None when no parameter is tracked."""
+        if self._measured is None:
+            if self._plan is None:
+                return None
+            self._measure_tracked()
+        return self._tracked
+
+    def index_of(self, param: torch.Tensor) -> int | None:
+        """Where `param` is in `tracked_batch()`'s lists, or None when it is not tracked (`track_parameters`)."""
+        return self._index.get(id(param))
 
     def parameter(self, param: torch.Tensor) -> Measurement:
         measured = self._measured
@@ -582,6 +593,7 @@ class StatsCache:
         self._pointers = [_pointer(tensor) for tensor in tensors]
         self._dtypes = [tensor.dtype for tensor in tensors]
         self._measured = measurements
+        self._tracked = TrackedBatch(measurements, self._versions, self._pointers)
 
     def activation(self, tensor: torch.Tensor) -> Measurement:
         try:
@@ -618,6 +630,16 @@ class StatsCache:
         if pointer:
             # A plain tuple, not a torch.Size: the garbage collector stops walking tuples of plain numbers.
             dtype, shape = tensor.dtype, tuple(tensor.shape)
+            numel = tensor.numel()
+            if numel <= STAGE_MAX_NUMEL and type(tensor) is torch.Tensor and not self._kernels and numel:
+                # Small: one copy now, measured with the others of its shape when read (core/stats/staging.py). A
+                # view of it is measured again rather than looked up: a copy costs less than finding it.
+                staged = self._staging.stage(tensor.detach() if tensor.requires_grad else tensor)
+                if staged is not None:
+                    measurement = StackedMeasurement(staged[0], staged[1], dtype, shape)
+                    entry = self._last = _seen(tensor, version, pointer, measurement)
+                    self._by_id[id(tensor)] = entry
+                    return measurement
             key = (pointer, dtype, shape, tensor.stride())
             hit = self._activations.get(key)
             if hit is not None and hit.version == version:
@@ -626,7 +648,7 @@ class StatsCache:
                     # views of one base share one version counter: equal versions, equal values
                     self._last = self._by_id[id(tensor)] = _seen(tensor, version, pointer, hit.measurement)
                     return hit.measurement
-            if dtype in ABS_KEEPS_DTYPE and type(tensor) is torch.Tensor and not self._kernels and tensor.numel():
+            if dtype in ABS_KEEPS_DTYPE and type(tensor) is torch.Tensor and not self._kernels and numel:
                 # The common case, straight to the kernels: a plain non-empty tensor with storage (so not meta, not
                 # sparse) whose abs keeps its dtype. Every other question `measure()` would ask is answered.
                 abs_min, abs_max = _RANGE(tensor.detach() if tensor.requires_grad else tensor)
@@ -649,7 +671,9 @@ class StatsCache:
         self._last = None
         self._by_id.clear()
         self._activations.clear()
+        self._staging.rewind()
 
     def clear(self) -> None:
         self.forget_parameters()
         self.forget_activations()
+        self._staging.clear()
