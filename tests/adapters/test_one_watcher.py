@@ -3,7 +3,9 @@ earlier handle still watches closes that handle (with a warning) before attachin
 
 from __future__ import annotations
 
+import gc
 import math
+import weakref
 
 import pytest
 import torch
@@ -130,3 +132,18 @@ def test_the_batch_limit_removes_the_hooks_without_a_with_block() -> None:
     with pytest.raises(BatchLimitReached):
         handle.step()
     assert _hooks(model) == 0
+
+
+def test_a_handle_dropped_without_close_is_freed_with_its_model() -> None:
+    # A notebook cell run again: the old model and its handle are dropped, never closed. Nothing of nanwatch's may
+    # keep them (and the model's memory) alive.
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    handle = watch(model, optimizer=optimizer)
+    model(torch.randn(2, 4)).sum().backward()
+    optimizer.step()
+    handle.step()
+    gone = [weakref.ref(model), weakref.ref(handle), weakref.ref(handle.watcher)]
+    del model, optimizer, handle
+    gc.collect()
+    assert [ref() for ref in gone] == [None, None, None]

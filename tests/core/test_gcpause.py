@@ -6,6 +6,8 @@ stays disabled, and `pause_gc=False` or sentinel mode never touch it."""
 from __future__ import annotations
 
 import gc
+import multiprocessing
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -13,6 +15,7 @@ import torch
 from torch import nn
 
 import nanwatch
+import nanwatch.core.gcpause
 import nanwatch.core.watcher
 from nanwatch import NonFiniteError
 from nanwatch.core.gcpause import collection_paused, pause_collection, resume_collection
@@ -133,3 +136,37 @@ def test_a_loop_that_never_ends_its_micro_batch_gets_the_collector_back(monkeypa
             seen.append(gc.isenabled())
     assert seen[:5] == [False] * 5  # 20 frames pending: still paused
     assert True in seen[5:]  # the pause never outlasts 20 pending frames
+
+
+def test_a_pause_no_micro_batch_renews_is_resumed_by_the_watchdog(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A handle abandoned mid-batch in a notebook (the user's loop raised), and nanwatch never used again.
+    monkeypatch.setattr(nanwatch.core.gcpause, "PAUSE_LIMIT_S", 0.4)
+    model = _model()
+    handle = nanwatch.watch(model)
+    model(torch.randn(2, 3))
+    assert collection_paused()
+    deadline = time.monotonic() + 10
+    while collection_paused() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not collection_paused()
+    assert gc.isenabled()
+    handle.close()
+
+
+def _report_collector(queue: multiprocessing.Queue) -> None:  # type: ignore[type-arg]
+    queue.put((gc.isenabled(), collection_paused()))
+
+
+def test_a_child_forked_during_a_pause_starts_with_the_collector_on() -> None:
+    pause_collection()
+    try:
+        context = multiprocessing.get_context("fork")
+        queue = context.Queue()
+        child = context.Process(target=_report_collector, args=(queue,))
+        child.start()
+        found = queue.get(timeout=60)
+        child.join(timeout=60)
+    finally:
+        resume_collection()
+    assert found == (True, False)
+    assert child.exitcode == 0

@@ -150,9 +150,10 @@ class WatchConfig(BaseModel):
         description="Full mode: pause Python's automatic garbage collection (gc.disable) from the start of each "
         "watched micro-batch until it is checked, so the frames it records are freed before a collection walks them "
         "(they would otherwise reach the collector's oldest generation, whose full passes over every object of the "
-        "process add about 4 % to a step of a model of many small modules). Reference counting frees "
-        "everything as usual; only garbage in reference cycles waits until the micro-batch ends. A collector "
-        "already disabled is left alone. False: nanwatch never touches the collector.",
+        "process add several % to a step of a model of many small modules). Reference counting frees "
+        "everything as usual; only garbage in reference cycles waits until the micro-batch ends. A pause that no "
+        "micro-batch renews for 30 s (a loop abandoned mid-batch) ends by itself. A collector already disabled is "
+        "left alone. False: nanwatch never touches the collector.",
     )
 
     @field_validator("headroom_warn_fraction", mode="before")

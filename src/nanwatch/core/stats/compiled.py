@@ -17,7 +17,9 @@ key. Sizes can be dynamic, so they travel as a small CPU tensor. `measurements()
 
 from __future__ import annotations
 
+import inspect
 import itertools
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import lru_cache
@@ -65,14 +67,26 @@ class Sink:
     """
 
     _next = itertools.count(1)
-    _open: dict[int, Receiver] = {}
+    _open: dict[int, Callable[[], Receiver | None]] = {}
 
     def __init__(self, receiver: Receiver) -> None:
         self.token = next(Sink._next)
-        Sink._open[self.token] = receiver
+        # A watcher's bound method is held weakly: one dropped without close() (a notebook cell run again) must not
+        # live on, with its model, in this table of the whole process; its entry goes with it.
+        if inspect.ismethod(receiver):
+            token = self.token
+            Sink._open[token] = weakref.WeakMethod(receiver, lambda _: Sink._open.pop(token, None))
+        else:
+            Sink._open[self.token] = lambda: receiver
 
     def close(self) -> None:
         Sink._open.pop(self.token, None)
+
+    @staticmethod
+    def receiver(token: int) -> Receiver | None:
+        """The receiver of an open sink, or None (closed, or its watcher is gone)."""
+        found = Sink._open.get(token)
+        return None if found is None else found()
 
 
 # Written by every call of the operator, so that the compiler keeps the calls (a call that returns nothing and
@@ -85,7 +99,7 @@ def _record(order: torch.Tensor, key: str, values: list[torch.Tensor]) -> None:
     """At run time, for each hook call a graph traced: hand the engine the numbers (copies: the compiler may reuse the
     memory of a graph's temporaries once this call, their last reader, returns) and the sizes."""
     token, _, rest = key.partition(_PART)
-    receiver = Sink._open.get(int(token))
+    receiver = Sink.receiver(int(token))
     if receiver is not None:
         receiver(rest, [value.clone() for value in values[:-1]], values[-1].tolist())
 
