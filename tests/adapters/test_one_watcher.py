@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import gc
 import math
+import subprocess
+import sys
 import weakref
 
 import pytest
@@ -147,3 +149,26 @@ def test_a_handle_dropped_without_close_is_freed_with_its_model() -> None:
     del model, optimizer, handle
     gc.collect()
     assert [ref() for ref in gone] == [None, None, None]
+
+
+@pytest.mark.parametrize("stopped", [False, True], ids=["watching", "stopped by a bug of its own"])
+def test_a_handle_never_closed_leaves_no_error_at_interpreter_exit(stopped: bool) -> None:
+    # The end of a script (or a notebook kernel) that never closed its handle: what nanwatch holds goes quietly,
+    # whether it was still watching or had stopped itself (a failure in measuring: the run goes on).
+    script = (
+        "import torch, nanwatch\n"
+        "model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Tanh())\n"
+        "handle = nanwatch.watch(model)\n"
+        "model(torch.randn(2, 3)).sum().backward()\n"
+        "handle.step()\n"
+        "model(torch.randn(2, 3))\n"  # and a micro-batch left open
+        # What the engine does when its own bookkeeping fails, called where the script runs: its warning keeps the
+        # watcher until the interpreter's last clean-up, where a weakref.WeakMethod's callback used to raise.
+        f"if {stopped}:\n"
+        "    handle.watcher._disable('a bug in nanwatch')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    assert "Exception ignored" not in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    assert ("stopped watching" in done.stderr) is stopped, done.stderr

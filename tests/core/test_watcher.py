@@ -137,6 +137,28 @@ def test_a_weight_changed_between_two_calls_of_one_batch_is_measured_again(chang
     assert _entry(second, "bias") == _entry(first, "bias")
 
 
+def test_a_sparse_parameter_gets_its_line_at_every_call_and_watching_goes_on() -> None:
+    class SparseWeight(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.eye(3).to_sparse())  # no storage of its own to fingerprint
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.sparse.mm(self.weight, x)
+
+    model = SparseWeight()
+    watcher = Watcher(model, WatchConfig())
+    watcher.attach()
+    for _batch in range(2):
+        model(torch.randn(3, 2))
+        model(torch.randn(3, 2))
+        frames = _resolved(watcher)
+        watcher.end_batch()
+    assert watcher.disabled_reason is None
+    weight = next(entry for entry in frames[-1].entries if entry.label == "weight")
+    assert weight.note == "sparse_coo"
+
+
 def test_recorded_numbers_are_exact_and_survive_an_in_place_relu() -> None:
     model = nn.Sequential(nn.Linear(4, 6), nn.ReLU(inplace=True), nn.Linear(6, 2))
     x = torch.randn(5, 4)

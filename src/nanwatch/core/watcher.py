@@ -999,8 +999,9 @@ class _ParameterLines:
                 slots.append((None, -1))
                 continue
             entries.append(Entry(name, _PARAMETER, cache.parameter(param)))
-            index = cache.index_of(param) if type(param) in _PLAIN_PARAMETERS else None
-            if index is None:  # measured apart (an inference tensor, a DTensor): asked for at every call
+            plain = type(param) in _PLAIN_PARAMETERS and param.layout is torch.strided
+            index = cache.index_of(param) if plain else None
+            if index is None:  # measured apart (an inference or sparse tensor, a DTensor): asked for at every call
                 tracked = False
             else:
                 slots.append((param, index))

@@ -22,7 +22,7 @@ import itertools
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import lru_cache, partial
 from typing import Any
 
 import torch
@@ -67,17 +67,20 @@ class Sink:
     """
 
     _next = itertools.count(1)
-    _open: dict[int, Callable[[], Receiver | None]] = {}
+    # token -> (the receiver's owner, held weakly, and its function), or (None, the receiver) for a plain function.
+    _open: dict[int, tuple[weakref.ref[Any] | None, Callable[..., None]]] = {}
 
     def __init__(self, receiver: Receiver) -> None:
         self.token = next(Sink._next)
-        # A watcher's bound method is held weakly: one dropped without close() (a notebook cell run again) must not
-        # live on, with its model, in this table of the whole process; its entry goes with it.
+        # A watcher's bound method is held through a weak reference to the watcher: one dropped without close() (a
+        # notebook cell run again) must not live on, with its model, in this table of the whole process; its entry
+        # goes with it (the callback holds the table itself: at interpreter exit the class may be gone first).
         if inspect.ismethod(receiver):
-            token = self.token
-            Sink._open[token] = weakref.WeakMethod(receiver, lambda _: Sink._open.pop(token, None))
+            table, token = Sink._open, self.token
+            owner = weakref.ref(receiver.__self__, lambda _: table.pop(token, None))
+            Sink._open[token] = (owner, receiver.__func__)
         else:
-            Sink._open[self.token] = lambda: receiver
+            Sink._open[self.token] = (None, receiver)
 
     def close(self) -> None:
         Sink._open.pop(self.token, None)
@@ -86,7 +89,13 @@ class Sink:
     def receiver(token: int) -> Receiver | None:
         """The receiver of an open sink, or None (closed, or its watcher is gone)."""
         found = Sink._open.get(token)
-        return None if found is None else found()
+        if found is None:
+            return None
+        owner, function = found
+        if owner is None:
+            return function
+        alive = owner()
+        return None if alive is None else partial(function, alive)
 
 
 # Written by every call of the operator, so that the compiler keeps the calls (a call that returns nothing and
