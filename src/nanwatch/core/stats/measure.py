@@ -631,28 +631,29 @@ class StatsCache:
             # A plain tuple, not a torch.Size: the garbage collector stops walking tuples of plain numbers.
             dtype, shape = tensor.dtype, tuple(tensor.shape)
             numel = tensor.numel()
-            if numel <= STAGE_MAX_NUMEL and type(tensor) is torch.Tensor and not self._kernels and numel:
-                # Small: one copy now, measured with the others of its shape when read (core/stats/staging.py). A
-                # view of it is measured again rather than looked up: a copy costs less than finding it.
+            # A plain non-empty tensor with storage (so not meta, not sparse), and no other statistic to launch.
+            plain = type(tensor) is torch.Tensor and not self._kernels and numel
+            # Small: one copy now, measured with the others of its shape when read (core/stats/staging.py). A view of
+            # it is measured again rather than looked up: a copy costs less than finding it.
+            staged = None
+            if plain and numel <= STAGE_MAX_NUMEL:
                 staged = self._staging.stage(tensor.detach() if tensor.requires_grad else tensor)
-                if staged is not None:
-                    measurement = StackedMeasurement(staged[0], staged[1], dtype, shape)
-                    entry = self._last = _seen(tensor, version, pointer, measurement)
-                    self._by_id[id(tensor)] = entry
-                    return measurement
-            key = (pointer, dtype, shape, tensor.stride())
-            hit = self._activations.get(key)
-            if hit is not None and hit.version == version:
-                seen = hit()
-                if seen is not None and (seen is tensor or _view_root(seen) is _view_root(tensor)):
-                    # views of one base share one version counter: equal versions, equal values
-                    self._last = self._by_id[id(tensor)] = _seen(tensor, version, pointer, hit.measurement)
-                    return hit.measurement
-            if dtype in ABS_KEEPS_DTYPE and type(tensor) is torch.Tensor and not self._kernels and numel:
-                # The common case, straight to the kernels: a plain non-empty tensor with storage (so not meta, not
-                # sparse) whose abs keeps its dtype. Every other question `measure()` would ask is answered.
-                abs_min, abs_max = _RANGE(tensor.detach() if tensor.requires_grad else tensor)
-                measurement = Measurement(abs_min, abs_max, dtype, shape)
+            if staged is not None:
+                measurement = StackedMeasurement(staged[0], staged[1], dtype, shape)
+            else:
+                key = (pointer, dtype, shape, tensor.stride())
+                hit = self._activations.get(key)
+                if hit is not None and hit.version == version:
+                    seen = hit()
+                    if seen is not None and (seen is tensor or _view_root(seen) is _view_root(tensor)):
+                        # views of one base share one version counter: equal versions, equal values
+                        self._last = self._by_id[id(tensor)] = _seen(tensor, version, pointer, hit.measurement)
+                        return hit.measurement
+                if plain and dtype in ABS_KEEPS_DTYPE:
+                    # The common case, straight to the kernels, whose abs keeps the dtype: every other question
+                    # `measure()` would ask is answered.
+                    abs_min, abs_max = _RANGE(tensor.detach() if tensor.requires_grad else tensor)
+                    measurement = Measurement(abs_min, abs_max, dtype, shape)
         if measurement is None:
             measurement = measure(tensor, self._kernels)
         entry = self._last = _seen(tensor, version, pointer, measurement)

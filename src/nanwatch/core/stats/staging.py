@@ -126,6 +126,8 @@ class Staging:
         self._thread = threading.get_ident()
 
     def stage(self, data: torch.Tensor) -> tuple[StagedRows, int] | None:
+        if threading.get_ident() != self._thread:
+            return None
         key = (data.dtype, data.shape, data.device)
         area = self._areas.get(key)
         if area is None:
@@ -134,8 +136,6 @@ class Staging:
             area = self._new_area(key, _FIRST_ROWS)
             if area is None:
                 return None
-        if threading.get_ident() != self._thread:
-            return None
         count = area.count
         if count == len(area.rows):
             area = self._grown(key, area)
