@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     y = x.sum(dim=1, keepdim=True) * 10  # targets of size ~40: the errors grow fast once the weights diverge
     loader = DataLoader(TensorDataset(x.half(), y.half()), batch_size=8)  # 4 micro-batches per epoch
     model = make_model()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.03)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     tracker.attach(accelerator, model)  # on every rank, after prepare()
 

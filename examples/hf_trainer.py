@@ -2,8 +2,8 @@
 
 The model is built from a small `GPT2Config` with random weights (nothing is downloaded) and cast to float16 with
 `.half()`: the Trainer's `fp16=True` needs a GPU, and pure-fp16 weights overflow just the same. Plain SGD at a
-learning rate of 10 makes the weights grow with every optimizer step until the output of a block's MLP projection
-(`transformer.h.0.mlp.c_proj`) passes 65504, the largest float16, and turns to inf. `OverflowTrainerCallback` shows
+learning rate of 20 makes the weights grow with every optimizer step until the output of a block's MLP projection
+(`transformer.h.1.mlp.c_proj`) passes 65504, the largest float16, and turns to inf. `OverflowTrainerCallback` shows
 the frames that led there and stops the run before the optimizer step that would apply that micro-batch. Gradient
 accumulation is 2: `batch_number` counts micro-batches, the report also gives the optimizer step
 (`state.global_step`) and the epoch.
@@ -44,7 +44,7 @@ class RandomTokens(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--lr", type=float, default=10.0, help="learning rate (default: 10, far too high)")
+    parser.add_argument("--lr", type=float, default=20.0, help="learning rate (default: 20, far too high)")
     parser.add_argument("--max-steps", type=int, default=50, help="most optimizer steps (default: 50)")
     add_config_arguments(parser, defaults={"max_frames_to_save": 12})
     args = parser.parse_args(argv)

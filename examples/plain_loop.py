@@ -83,9 +83,9 @@ def main(argv: list[str] | None = None) -> int:
     except nanwatch.NonFiniteError as error:
         finite = all(bool(torch.isfinite(p).all()) for p in model.parameters())
         where = f"first in module {error.module_name!r}" if error.module_name else f"see rank {error.rank}'s report"
-        print(
+        sys.stdout.write(  # one write, the newline included: the ranks' lines never interleave in a shared log
             f"[rank {rank}] stopped: inf/nan in batch_number={error.batch_number} on rank {error.rank}, {where}; "
-            f"optimizer step {error.optimizer_step} never ran; weights still finite: {finite}"
+            f"optimizer step {error.optimizer_step} never ran; weights still finite: {finite}\n"
         )
         return 1
     finally:

@@ -49,7 +49,9 @@ class NonFiniteError(NanwatchError, ValueError):
     Attributes:
         batch_number: the 0-indexed micro-batch in which inf/nan was seen.
         rank: the process that saw it first (0 when not distributed).
-        module_name: the fully qualified name of the first module whose frame holds inf/nan.
+        module_name: the fully qualified name of the first module whose frame holds inf/nan; when no frame held any
+            and only the gradients about to be applied did, the module that owns the first of them (the message then
+            says so: it is where the gradient is, not where the inf/nan began).
         report: the text report (the same text that was logged and written to `report_dir`).
         optimizer_step: the optimizer step the micro-batch belongs to, when the caller knows it.
         epoch: the epoch, when the caller knows it.

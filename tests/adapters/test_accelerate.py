@@ -19,7 +19,7 @@ from accelerate import Accelerator  # noqa: E402
 from accelerate.state import AcceleratorState, GradientState  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
-from nanwatch import NonFiniteError, WatchConfig  # noqa: E402
+from nanwatch import NanwatchWarning, NonFiniteError, WatchConfig  # noqa: E402
 from nanwatch.adapters.accelerate import OverflowTracker  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -283,3 +283,36 @@ def test_example_overflows_and_reports(tmp_path: Path) -> None:
     assert frames.endswith("inf      inf output")
     assert culprit.startswith("first non-finite value produced by loss_fn (MSELoss): inputs finite (abs max ")
     assert text.rstrip("\n") in done.stderr  # the same report was logged
+
+
+def test_an_optimizer_accelerate_did_not_prepare_is_warned_about_once() -> None:
+    # No optimizer was prepared (nor passed to attach): its steps run unguarded, which nanwatch says, once.
+    tracker = OverflowTracker()
+    accelerator = Accelerator(cpu=True, log_with=[tracker])
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model = accelerator.prepare(model)
+    tracker.attach(accelerator, model)
+    batches = [(torch.randn(2, 4), torch.randn(2, 1)) for _ in range(3)]
+
+    def loop() -> None:
+        for x, y in batches:
+            accelerator.backward(torch.nn.functional.mse_loss(model(x), y))
+            optimizer.step()
+            optimizer.zero_grad()
+
+    with pytest.warns(NanwatchWarning) as record:
+        loop()
+    tracker.detach()
+    messages = [str(warning.message) for warning in record if warning.category is NanwatchWarning]
+    assert len(messages) == 1, messages
+    assert "this SGD steps the watched model's weights unguarded" in messages[0]
+    assert "optimizers=optimizer" in messages[0]
+
+
+def test_a_prepared_optimizer_is_guarded_and_not_warned_about() -> None:
+    tracker = OverflowTracker()
+    accelerator, model, optimizer, loader = make_run(tracker)
+    run_micro_batches(accelerator, model, optimizer, [batch for batch, _ in zip(loader, range(4), strict=False)])
+    tracker.detach()  # pyproject turns a NanwatchWarning into an error: none came

@@ -18,7 +18,7 @@ pytest.importorskip("lightning")
 import torch  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 
-from nanwatch import ConfigError, NonFiniteError, WatchConfig  # noqa: E402
+from nanwatch import ConfigError, NanwatchWarning, NonFiniteError, WatchConfig  # noqa: E402
 from nanwatch.adapters.lightning import OverflowCallback  # noqa: E402
 
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -95,6 +95,36 @@ def test_manual_optimization_is_checked_before_each_optimizer_step(tmp_path: Pat
     assert same_weights(model, snapshots.weights[3])
     assert not same_weights(model, snapshots.weights[2])
     assert hook_count(model) == 0
+
+
+class OwnOptimizerModule(InjectingModule):
+    """Manual optimization with an optimizer of its own, which configure_optimizers() does not return."""
+
+    def __init__(self) -> None:
+        super().__init__(manual=True)
+        self.own = torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self(x), y)
+        self.own.zero_grad()
+        self.manual_backward(loss)
+        self.own.step()
+        return loss
+
+    def configure_optimizers(self) -> None:  # type: ignore[override]
+        return None
+
+
+@pytest.mark.filterwarnings("ignore:.*configure_optimizers.* returned .None.*")
+def test_an_optimizer_lightning_does_not_know_is_warned_about_once(tmp_path: Path) -> None:
+    trainer = make_trainer(tmp_path, [OverflowCallback()], accumulate_grad_batches=1, num_sanity_val_steps=0)
+    with pytest.warns(NanwatchWarning) as record:
+        trainer.fit(OwnOptimizerModule(), *loaders())
+    messages = [str(warning.message) for warning in record if warning.category is NanwatchWarning]
+    assert len(messages) == 1, messages
+    assert "this SGD steps the watched model's weights unguarded" in messages[0]
+    assert "configure_optimizers()" in messages[0]
 
 
 @pytest.mark.parametrize("watch_eval", [False, True])

@@ -121,7 +121,8 @@ def test_an_error_raised_at_the_optimizer_step_removes_the_optimizers_hooks_too(
     with pytest.raises(NonFiniteError):
         optimizer.step()
     assert _hooks(model, optimizer) == 0
-    handle.step()  # the handle goes on counting, recording nothing
+    with pytest.warns(NanwatchWarning, match="the batches since nanwatch raised .* are not watched"):
+        handle.step()  # the handle goes on counting, recording nothing, and says so once
     assert handle.batch_number == 1
     model[2].factor = 1.0
     optimizer.step()  # no hook of ours is left to stop the user's next step

@@ -8,8 +8,11 @@ nanwatch gives up watching.
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -429,7 +432,8 @@ def test_eval_forwards_are_checked_and_counted_apart_with_watch_eval(tmp_path: P
         model[2].factor = 1.0
         model.train()
         model(torch.randn(2, 4))
-        handle.step()
+        with pytest.warns(NanwatchWarning, match="the batches since nanwatch raised .* are not watched"):
+            handle.step()  # the hooks went with the error: counted, not recorded, and said once
         assert handle.batch_number == 2
     assert _hook_count(model) == 0
 
@@ -782,3 +786,129 @@ def test_step_before_optimizer_step_still_checks_every_micro_batch() -> None:
         except nanwatch.NonFiniteError as error:
             seen_at = (error.batch_number, micro_batch)
     assert seen_at == (3, 3)
+
+
+def _line_of(text: str, function: Any) -> int:
+    """The line number of the first line of `function` that holds `text`."""
+    lines, first = inspect.getsourcelines(function)
+    return first + next(index for index, line in enumerate(lines) if text in line)
+
+
+def _train_steps(model: nn.Module, optimizer: torch.optim.Optimizer, handle: WatchHandle, steps: int) -> None:
+    for _ in range(steps):
+        model(torch.randn(2, 4)).sum().backward()
+        optimizer.step()
+        handle.step()
+
+
+def test_an_unguarded_optimizer_stepping_the_model_is_warned_about_once() -> None:
+    # watch(model) without optimizer=: a step that applies inf/nan runs (the weights go nan) before step() checks.
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    other = nn.Linear(2, 2)
+    other_optimizer = torch.optim.SGD(other.parameters(), lr=0.1)
+    with nanwatch.watch(model) as handle:
+        for _ in range(2):  # backward alone, and another model's optimizer: no step of this model's weights
+            model(torch.randn(2, 4)).sum().backward()
+            other(torch.randn(1, 2)).sum().backward()
+            other_optimizer.step()
+            handle.step()
+        with pytest.warns(NanwatchWarning) as record:
+            _train_steps(model, optimizer, handle, 3)
+    messages = [str(warning.message) for warning in record]
+    assert len(messages) == 1, messages
+    assert "this SGD steps the watched model's weights unguarded" in messages[0]
+    assert "nanwatch.watch(model, optimizer=optimizer)" in messages[0]
+    assert record[0].filename == __file__  # the user's optimizer.step() line, not torch's
+
+
+def test_a_guarded_optimizer_and_a_model_that_is_only_run_forward_hear_nothing_of_it() -> None:
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanwatch.watch(model) as handle:
+        handle.guard(optimizer)  # guarded after watch(): as good as optimizer=
+        _train_steps(model, optimizer, handle, 2)
+    with nanwatch.watch(model, optimizer=optimizer) as handle:
+        _train_steps(model, optimizer, handle, 2)
+    with nanwatch.watch(model) as handle, torch.no_grad():
+        model(torch.randn(2, 4))
+        handle.step()
+    assert _hook_count(model, optimizer) == 0
+
+
+def test_going_on_after_catching_a_detection_blames_nothing_that_is_not_there() -> None:
+    # A notebook, or a loop that catches the error and goes on: the hooks went with the error. Before, the next
+    # steps warned that the model "runs inside code compiled by torch.compile", which nobody used.
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    handle = nanwatch.watch(model, optimizer=optimizer)
+    caught: list[int] = []
+
+    def loop() -> None:
+        for micro_batch in range(5):
+            x = torch.randn(2, 4)
+            if micro_batch == 1:
+                x[0, 0] = float("inf")
+            try:
+                model(x).sum().backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                handle.step()
+            except NonFiniteError as error:
+                caught.append(error.batch_number)
+
+    with pytest.warns(NanwatchWarning) as record:
+        loop()
+    handle.close()
+    messages = [str(warning.message) for warning in record]
+    assert caught == [1]
+    assert not any("torch.compile" in message for message in messages), messages
+    assert len(messages) == 1, messages
+    assert "the batches since nanwatch raised (or was closed) are not watched" in messages[0]
+    assert record[0].lineno == _line_of("handle.step()", loop)  # said at a step(), the line of the user's loop
+
+
+def test_a_batch_with_only_eval_forwards_is_said_to_have_none_in_training_mode(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Nothing was compiled (whatever other tests in this process compiled): torch.compile is not named.
+    monkeypatch.setattr(nanwatch.core.watcher, "compiled_anything", lambda: False)
+    model = _model()
+    with nanwatch.watch(model) as handle:
+        model.eval()
+        model(torch.randn(2, 4))
+        with pytest.warns(NanwatchWarning) as record:
+            handle.step()
+    message = str(record[0].message)
+    assert "torch.compile" not in message
+    assert "no forward of the watched model ran in training mode" in message
+
+
+def test_each_warning_is_printed_once(tmp_path: Path) -> None:
+    # Before, every NanwatchWarning was printed twice on stderr: by the nanwatch logger and by Python's warnings.
+    # A handler the user adds to the nanwatch logger still gets it (the second run: one writing to stdout).
+    script = tmp_path / "twice.py"
+    script.write_text(
+        "import logging, sys, torch, nanwatch\n"
+        "model = torch.nn.Linear(2, 2)\n"
+        "handle = nanwatch.watch(model)\n"
+        "handle.step()  # no forward ran: nothing was recorded, which is warned about\n"
+        "handle.close()\n"
+        "logging.getLogger('nanwatch').addHandler(logging.StreamHandler(sys.stdout))\n"
+        "handle = nanwatch.watch(model)\n"
+        "handle.step()  # the same warning, from a new handle\n"
+        "handle.close()\n"
+    )
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240, check=True)
+    said = "no watched module recorded anything during batch_number=0"
+    assert done.stderr.count(said) == 2, done.stderr  # once per run
+    assert done.stderr.count("NanwatchWarning") == 2, done.stderr
+    assert done.stdout.count(said) == 1, done.stdout
+
+
+def test_an_optimizer_passed_where_the_config_goes_is_told_to_use_its_keyword() -> None:
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(nanwatch.ConfigError, match=r"got SGD, an optimizer: pass it by keyword, .*optimizer=optimizer"):
+        nanwatch.watch(model, optimizer)  # type: ignore[arg-type]
+    with pytest.raises(nanwatch.ConfigError, match=r"got GradScaler, a scaler: pass it by keyword, .*scaler=scaler"):
+        nanwatch.watch(model, torch.amp.GradScaler("cpu", enabled=False))  # type: ignore[arg-type]
+    assert _hook_count(model) == 0

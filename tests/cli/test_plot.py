@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -532,3 +533,127 @@ def test_lines_of_a_finite_run_rank_by_abs_max(tmp_path: Path) -> None:
     far = draw_lines(heatmap, tmp_path / "f32.png", dtype="float32")
     assert not far.dtype_max_on_scale  # 3.4e38 is 33 decades above these numbers: not drawn, said in the title
     assert len(far.modules) == 5
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Forward values and gradients drawn apart (--direction)
+
+
+class _ToHalf(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.half()
+
+
+class _ToFloat(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.float()
+
+
+class _Mixed(nn.Module):
+    """float32 layers around a float16 middle: the forward is marked against float16's max, while the float32
+    gradients of a loss multiplied by 3e4 pass it (fc2's bias gets 1.2e5) without ever being float16."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(8, 16)
+        self.half_ = _ToHalf()
+        self.act = nn.Tanh()
+        self.float_ = _ToFloat()
+        self.fc2 = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.float_(self.act(self.half_(self.fc1(x)))))
+
+
+def _gradients_trace(report_dir: Path) -> Path:
+    torch.manual_seed(0)
+    model = _Mixed()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    x = torch.randn(4, 8)
+    watching = {"trace_batch_nums": [0, 1], "report_dir": report_dir, "watch_gradients": True}
+    with nanwatch.watch(model, optimizer=optimizer, **watching) as handle:
+        for _ in range(2):
+            (model(x).sum() * 3e4).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            handle.step()
+    return trace_path(report_dir)
+
+
+def _maxima(blocks: list[Any], directions: set[str]) -> dict[tuple[str, int], float]:
+    found: dict[tuple[str, int], float] = {}
+    for record in (r for block in blocks for r in block.records):
+        if record.direction.value in directions and record.abs_max is not None and "float" in (record.dtype or ""):
+            key = (record.module or ROOT_LABEL, record.batch)
+            found[key] = max(found.get(key, 0.0), float(record.abs_max))
+    return found
+
+
+def test_forward_values_and_gradients_are_drawn_apart(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # Before: the gradients joined the forward's cells, so fc2 and the model showed 1.2e5, outlined in red as above
+    # float16's max, though no forward value came near it and those gradients are float32.
+    trace = _gradients_trace(tmp_path)
+    blocks = read_blocks(str(trace))
+    model_rows = [ROOT_LABEL, "fc1", "half_", "act", "float_", "fc2"]
+    forward = build_heatmap(blocks)
+    assert forward.rows == model_rows
+    assert forward.dtypes == ["float16", "float32"]
+    expected = _maxima(blocks, {"forward", "recompute"})
+    assert {
+        (row, batch): forward.cells[r][c] for r, row in enumerate(forward.rows) for c, batch in enumerate([0, 1])
+    } == expected
+    assert max(expected.values()) < 3  # nothing near float16's max in the forward
+    assert forward.direction == "forward"
+    backward_lines = sum(1 for block in blocks for r in block.records if r.direction.value == "backward")
+    assert forward.left_out == backward_lines > 0
+
+    gradients = build_heatmap(blocks, direction="backward")
+    assert gradients.direction == "backward"
+    assert gradients.rows == model_rows  # in model order, although autograd produced them the other way round
+    expected = _maxima(blocks, {"backward"})
+    assert {
+        (row, batch): gradients.cells[r][c] for r, row in enumerate(gradients.rows) for c, batch in enumerate([0, 1])
+    } == expected
+    assert expected[("fc2", 0)] > 65504  # fc2's bias gradient, float32
+    assert gradients.dtypes == ["float16", "float32"]  # the gradients through the float16 middle are float16
+    assert gradients.returned[gradients.rows.index("fc2")] < gradients.returned[gradients.rows.index("fc1")]
+
+    # Each is drawn against the tightest dtype of its own values, and says what it shows.
+    drawn = draw_heatmap(forward, tmp_path / "forward.png", dpi=60)
+    assert (drawn.direction, drawn.dtype) == ("forward", "float16")
+    drawn = draw_heatmap(gradients, tmp_path / "gradients.png", dpi=60)
+    assert (drawn.direction, drawn.dtype) == ("backward", "float16")
+    lines = draw_lines(gradients, tmp_path / "lines.png", dtype="float32", top=2, dpi=60)
+    assert (lines.direction, lines.modules) == ("backward", ("fc2", "fc1"))
+
+    capsys.readouterr()
+    png = tmp_path / "cli.png"
+    assert main(["plot", str(trace), "-o", str(png), "--dpi", "60"]) == 0
+    out, err = capsys.readouterr()
+    assert out.endswith(", 6 modules, 2 batches)\n")
+    assert err == (
+        f"nanwatch plot: note: {trace} also holds {backward_lines} gradient lines (watch_gradients), not drawn here; "
+        "--direction backward draws them\n"
+    )
+    assert main(["plot", str(trace), "-o", str(png), "--dpi", "60", "--direction", "backward"]) == 0
+    out, err = capsys.readouterr()
+    assert out.endswith(", gradients, 6 modules, 2 batches)\n")
+    assert err == ""
+
+
+def test_direction_backward_without_gradients_is_one_error_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run_amp_net(tmp_path, overflow_at=None, batches=1)
+    png = tmp_path / "x.png"
+    capsys.readouterr()
+    assert main(["plot", str(trace_path(tmp_path)), "-o", str(png), "--direction", "backward"]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err == (
+        "nanwatch plot: nothing to plot in the backward direction: the file holds no gradient line (they are "
+        "recorded with watch_gradients=True); see nanwatch plot --help\n"
+    )
+    assert main(["plot", str(trace_path(tmp_path)), "-o", str(png), "--direction", "sideways"]) == 2
+    assert "argument --direction: invalid choice: 'sideways'" in capsys.readouterr().err
+    assert not png.exists()

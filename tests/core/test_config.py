@@ -103,6 +103,31 @@ def test_bad_values_name_the_field_and_what_was_received(data: dict[str, Any], f
         nanwatch.watch(torch.nn.Linear(1, 1), **data)
 
 
+def test_the_class_itself_gives_the_same_short_error_with_its_did_you_mean() -> None:
+    # Before: `WatchConfig(...)` raised pydantic's raw ValidationError, many lines, and no "did you mean".
+    with pytest.raises(ConfigError) as info:
+        WatchConfig(trace_batch_num=[1])  # type: ignore[call-arg]
+    message = str(info.value)
+    assert message.startswith("WatchConfig: unknown field 'trace_batch_num' (did you mean 'trace_batch_nums'? ")
+    assert "\n" not in message
+    assert isinstance(info.value, ValueError)
+    with pytest.raises(ConfigError, match=r"^WatchConfig: field 'max_frames_to_save': .*\(got 0\)$"):
+        WatchConfig(max_frames_to_save=0)
+    with pytest.raises(ConfigError, match="^WatchConfig: capture_on_detect=True needs report_dir"):
+        WatchConfig(capture_on_detect=True)
+    config = WatchConfig()
+    with pytest.raises(ConfigError, match=r"^WatchConfig: field 'watch_every_n_batches': .*\(got 0\)$"):
+        config.watch_every_n_batches = 0  # assignments are validated too
+    assert config.watch_every_n_batches == 1
+    config.watch_every_n_batches = 2
+    assert config.watch_every_n_batches == 2
+    # The other doors keep their own prefix, with no double wrapping.
+    with pytest.raises(ConfigError, match="^overrides: unknown field 'trace_batch_num'"):
+        WatchConfig().with_overrides(trace_batch_num=[1])
+    with pytest.raises(ConfigError, match="^config: unknown field 'trace_batch_num'"):
+        WatchConfig.from_dict({"trace_batch_num": [1]})
+
+
 def test_error_shows_the_received_value() -> None:
     with pytest.raises(ConfigError, match=r"max_frames_to_save.*got 0"):
         WatchConfig.from_dict({"max_frames_to_save": 0})

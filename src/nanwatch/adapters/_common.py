@@ -7,13 +7,17 @@ agreement_point, on_optimizer_step, watch_loss, watch_scaler, close, state dicts
 from __future__ import annotations
 
 import sys
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils.hooks import RemovableHandle
 
 from nanwatch.core.compiler import compiled_inner
 from nanwatch.core.hooks import wrapped_module
+from nanwatch.core.log import warn
 from nanwatch.core.watcher import Watcher
 from nanwatch.errors import NanwatchError
 
@@ -26,6 +30,7 @@ __all__ = [
     "close_when_forward_raises",
     "check_model",
     "check_optimizer",
+    "warn_if_steps_unguarded",
 ]
 
 
@@ -139,6 +144,52 @@ def guard_optimizers(
         watcher.hooks.add_handle(real.register_step_pre_hook(before))
         if count_steps and index == 0:
             watcher.hooks.add_handle(real.register_step_post_hook(after))
+
+
+def warn_if_steps_unguarded(watcher: Watcher, models: Iterable[torch.nn.Module], fix: str) -> None:
+    """An optimizer that nanwatch does not guard can apply inf/nan to the weights before nanwatch checks, at the end
+    of the micro-batch: say so once, with `fix`, as the first step of such an optimizer that updates a parameter of
+    `models` is about to run (a global optimizer step pre-hook, removed when the watcher closes). A run that steps no
+    optimizer over the model (inference, evaluation, gradients looked at and never applied), or only guarded ones,
+    hears nothing."""
+    # Torch walks the global hooks while it calls them: one never removes itself (a mutated dict raises there). A
+    # watcher dropped without close() leaves its hook behind, doing nothing; the next registration removes it.
+    for entry in list(_STEP_HOOKS):
+        earlier = entry[0]()
+        if earlier is None or not earlier.attached:
+            _STEP_HOOKS.remove(entry)
+            entry[1].remove()
+    owned = {id(param) for model in models for param in model.parameters()}
+    said = False
+    # Held weakly: a global hook must not keep a handle that was dropped without close() (and its model) alive.
+    watcher_ref = weakref.ref(watcher)
+    touches: weakref.WeakKeyDictionary[torch.optim.Optimizer, bool] = weakref.WeakKeyDictionary()
+
+    def before_any_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        nonlocal said
+        watcher = watcher_ref()
+        if said or watcher is None or not watcher.attached or watcher.guards(optimizer):
+            return
+        found = touches.get(optimizer)
+        if found is None:  # asked once per optimizer: whether it updates the watched model's weights
+            params = (param for group in optimizer.param_groups for param in group["params"])
+            found = touches[optimizer] = any(id(param) in owned for param in params)
+        if not found:
+            return  # another model's optimizer
+        said = True
+        warn(
+            f"nanwatch: this {type(optimizer).__name__} steps the watched model's weights unguarded: a step that "
+            "applies inf/nan runs, and nanwatch only reports it at the end of the micro-batch, with the weights "
+            f"already changed. {fix} (Said once.)"
+        )
+
+    handle = register_optimizer_step_pre_hook(before_any_step)
+    watcher.hooks.add_handle(handle)
+    _STEP_HOOKS.append((watcher_ref, handle))
+
+
+# The global step pre-hooks of `warn_if_steps_unguarded`, with their watchers (weakly).
+_STEP_HOOKS: list[tuple[weakref.ref[Watcher], RemovableHandle]] = []
 
 
 def add_phase_hook(

@@ -22,6 +22,7 @@ from nanwatch.adapters._common import (
     entry_module,
     guard_optimizers,
     stop_on_error,
+    warn_if_steps_unguarded,
     watch_loss_of,
 )
 from nanwatch.core.config import WatchConfig, resolve_config
@@ -124,6 +125,13 @@ class OverflowTracker(GeneralTracker):  # type: ignore[misc]
         elif isinstance(optimizers, torch.optim.Optimizer):
             optimizers = [optimizers]
         guard_optimizers(watcher, optimizers, run=lambda action: stop_on_error(watcher, action))
+        # An optimizer that steps the model but is not among these (none was prepared, say) is said once.
+        warn_if_steps_unguarded(
+            watcher,
+            (model, root),
+            "Prepare the optimizer (accelerator.prepare) before tracker.attach(), or pass it: "
+            "tracker.attach(accelerator, model, optimizers=optimizer).",
+        )
         # The loss handed to `accelerator.backward(loss)` (often `F.mse_loss(...)`, outside every module): read in
         # the check before the step.
         watch_loss_of(watcher, accelerator, "backward")
@@ -200,11 +208,12 @@ class OverflowTracker(GeneralTracker):  # type: ignore[misc]
         if epoch is None and self._accelerator is not None:
             iteration = getattr(self._accelerator.gradient_state.active_dataloader, "iteration", None)
             epoch = iteration if isinstance(iteration, int) else watcher.epoch
-        watcher.start_batch("train")  # back in the open micro-batch's phase
+        # start_batch raises when another rank stopped: our hooks go with the error, as with end_batch's.
+        stop_on_error(watcher, lambda: watcher.start_batch("train"))  # back in the open micro-batch's phase
         if self._batch_open:
             stop_on_error(watcher, watcher.end_batch)
         self._batch_open = True
-        watcher.start_batch("train", epoch=epoch)
+        stop_on_error(watcher, lambda: watcher.start_batch("train", epoch=epoch))
 
     def _after_root_forward(self, module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
         watcher = self.watcher

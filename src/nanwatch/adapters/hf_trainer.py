@@ -112,8 +112,11 @@ class OverflowTrainerCallback(TrainerCallback):  # type: ignore[misc,unused-igno
 
     def _before_top_forward(self, module: torch.nn.Module, args: tuple[Any, ...]) -> None:
         # The Trainer calls model.train() before each training_step and model.eval() before evaluating.
-        if self.watcher is not None:
-            self.watcher.start_batch("train" if module.training else "eval")
+        watcher = self.watcher
+        if watcher is not None:
+            # Raises when another rank stopped: our hooks go with the error (a NanwatchError in a forward hook
+            # does not close them: see close_when_forward_raises).
+            self._stopping(lambda: watcher.start_batch("train" if module.training else "eval"))
 
     def on_optimizer_step(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
@@ -171,9 +174,13 @@ class OverflowTrainerCallback(TrainerCallback):  # type: ignore[misc,unused-igno
         watcher = self.watcher
         if watcher is None:
             return
-        if phase == "train":
-            watcher.start_batch("train")
-        self._stopping(lambda: watcher.end_batch(optimizer_step=state.global_step, epoch=_epoch(state)))
+
+        def end() -> None:
+            if phase == "train":
+                watcher.start_batch("train")  # raises when another rank stopped (this rank's frames checked first)
+            watcher.end_batch(optimizer_step=state.global_step, epoch=_epoch(state))
+
+        self._stopping(end)
 
     def _stopping(self, action: Callable[[], None]) -> None:
         try:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
 
-from nanwatch.adapters._common import guard_optimizers
+from nanwatch.adapters._common import guard_optimizers, warn_if_steps_unguarded
 from nanwatch.core.config import WatchConfig, resolve_config
 from nanwatch.core.features.loss_scale import scaler_of
 from nanwatch.core.features.summary import Summary
@@ -78,6 +78,12 @@ class OverflowCallback(Callback):
         # Checked before each step (after Lightning's closure computed the gradients); under a scaler only the steps
         # it does not skip reach the optimizer.
         guard_optimizers(watcher, trainer.optimizers, count_steps=False)
+        # Manual optimization may step an optimizer of its own, which Lightning does not know: said once.
+        warn_if_steps_unguarded(
+            watcher,
+            (pl_module,),
+            "Return the optimizer from configure_optimizers(): nanwatch then checks before each of its steps.",
+        )
         self.watcher = watcher
 
     def _stop(self, *, check: bool = False) -> None:

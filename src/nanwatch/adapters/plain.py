@@ -13,7 +13,6 @@ model that an earlier handle still watches closes that handle, with a warning, b
 from __future__ import annotations
 
 import contextlib
-import warnings
 import weakref
 from pathlib import Path
 from types import TracebackType
@@ -29,11 +28,13 @@ from nanwatch.adapters._common import (
     guard_optimizers,
     stop_on_error,
     unwrap_model,
+    warn_if_steps_unguarded,
 )
 from nanwatch.core.config import WatchConfig, resolve_config
 from nanwatch.core.features.loss_scale import GradScalerLike
+from nanwatch.core.log import warn
 from nanwatch.core.watcher import Watcher
-from nanwatch.errors import LossScaleBelowFloor, NanwatchWarning
+from nanwatch.errors import ConfigError, LossScaleBelowFloor
 
 __all__ = ["watch", "WatchHandle", "unwrap_model"]
 
@@ -49,29 +50,42 @@ class WatchHandle:
         optimizer: torch.optim.Optimizer | None = None,
         scaler: GradScalerLike | None = None,
     ) -> None:
-        self.model = unwrap_model(check_model(model, "watch()"))
+        watched = unwrap_model(check_model(model, "watch()"))
         if optimizer is not None:
             check_optimizer(optimizer, "watch()")
-        self.watcher = Watcher(self.model, config)
-        self.watcher.entry = entry_module(model, self.model)
+        self.watcher = Watcher(watched, config)  # holds the model while watching, and lets it go at close()
+        self.watcher.entry = entry_module(model, watched)
         if scaler is not None:  # before attach: a bad scaler raises with no hook left behind
             self.watcher.watch_scaler(scaler, read_scale="when_settled")
         self._closed = False
         self._scale_unread = False  # a micro-batch ended; the scaler's verdict on its step is not read yet
         try:
-            _take_over(self.model)
+            _take_over(watched)
             self.watcher.attach()
             # Registered after the watcher's own hooks, so on the root they run after its frame was recorded.
-            add_phase_hook(self.watcher, self.model, self._before_top_forward)
+            add_phase_hook(self.watcher, watched, self._before_top_forward)
             self.watcher.hooks.add_forward(
-                self.model, self.watcher.outside_graph(self.model, self._after_top_forward, (), None)
+                watched, self.watcher.outside_graph(watched, self._after_top_forward, (), None)
             )
             if optimizer is not None:
                 self.guard(optimizer)
+            # Any other optimizer that steps the model's weights (or this one, when none was passed) is said once.
+            warn_if_steps_unguarded(
+                self.watcher,
+                (model, watched),
+                "Pass the optimizer to check before each of its steps: nanwatch.watch(model, optimizer=optimizer), "
+                "or handle.guard(optimizer).",
+            )
         except BaseException:
             self.watcher.close(check=False)  # a watch() that failed leaves nothing attached
             raise
         _LIVE.add(self)
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """The watched model (inside a DDP or torch.compile wrapper). Once closed, the handle holds it only weakly:
+        `ReferenceError` when nothing else keeps it alive."""
+        return self.watcher.model
 
     @property
     def config(self) -> WatchConfig:
@@ -223,8 +237,7 @@ def _take_over(model: torch.nn.Module) -> None:
             f"batch_number={old.batch_number}): that handle is closed now, and the new one takes over. Close a "
             "handle when its run ends: handle.close(), or `with nanwatch.watch(...) as handle:`"
         )
-        old.watcher.logger.warning(message)
-        warnings.warn(message, NanwatchWarning, stacklevel=4)
+        warn(message)
         old.close()
 
 
@@ -255,4 +268,20 @@ def watch(
         ConfigError: the config or an override names an unknown field or holds a bad value.
         TypeError: `scaler` is not a GradScaler.
     """
+    _refuse_misplaced(config)
     return WatchHandle(model, resolve_config(config, **overrides), optimizer=optimizer, scaler=scaler)
+
+
+def _refuse_misplaced(config: object) -> None:
+    """An optimizer or a GradScaler passed where the config goes (`watch(model, optimizer)`): say which keyword."""
+    if isinstance(getattr(config, "optimizer", config), torch.optim.Optimizer):
+        keyword = "optimizer"
+    elif callable(getattr(config, "get_scale", None)) and callable(getattr(config, "unscale_", None)):
+        keyword = "scaler"
+    else:
+        return
+    raise ConfigError(
+        f"watch(): the second argument is the config (a WatchConfig, a dict, or the path of a YAML/JSON file), got "
+        f"{type(config).__name__}, {'an' if keyword == 'optimizer' else 'a'} {keyword}: pass it by keyword, "
+        f"nanwatch.watch(model, {keyword}={keyword})"
+    )

@@ -8,8 +8,15 @@ Finite cells above the marked dtype's max (a float32 run judged against float16 
 outlined in red: they would overflow in that dtype. With a headroom fraction, cells at or above that fraction of
 the marked max (where nanwatch warns while watching) are outlined in orange, and the fraction is marked on the bar.
 
+Forward values and gradients are drawn apart: `--direction forward` (the default) draws what the modules' forwards
+saw (a forward that activation checkpointing ran again included), `--direction backward` the gradients recorded with
+`watch_gradients` (`grad weight`, `grad output`, `grad input[0]`, ...), each against the tightest dtype of the values
+drawn, and the picture says which it shows. A file that also holds lines of the other direction gets a note on
+stderr saying how to draw them.
+
 Rows are in model order (the order of `print(model)`: a module above its children, siblings in the order they ran),
-rebuilt from the records' return order, also for a report whose frames begin in the middle of a batch.
+rebuilt from the records' return order (the forward's, also for the gradients), also for a report whose frames begin
+in the middle of a batch.
 
 The colour scale is log10(abs max). Where the marked dtype is a narrow one (float16, bfloat16, float8), the scale is
 fixed by that dtype: from its smallest normal number to its max, so two runs in that dtype get the same colours and
@@ -46,6 +53,7 @@ from nanwatch.cli.options import ToolHelpFormatter, add_config_arguments, fields
 from nanwatch.cli.show import chosen_modules, restrict
 from nanwatch.cli.usage import CliError
 from nanwatch.core.formats.jsonl import Block
+from nanwatch.core.frames import Direction
 from nanwatch.core.stats.dtypes import FLOAT_MAX, float_max
 from nanwatch.errors import PlotError
 
@@ -66,6 +74,7 @@ __all__ = [
     "image_format",
     "colour_scale",
     "USED_FIELDS",
+    "DIRECTIONS",
 ]
 
 ROOT_LABEL = "(root)"
@@ -77,6 +86,18 @@ ZERO_COLOUR = "#ffffff"
 HEADROOM_COLOUR = "#ff7f00"
 # The image formats `-o NAME.EXT` (or `--format`) may ask for; matplotlib writes each with its own backend.
 FORMATS = ("png", "pdf", "svg")
+# What `--direction` may draw, and the records' directions each takes: the forward's values (with the recomputes of
+# activation checkpointing, which run the forward again during backward), or the gradients.
+DIRECTIONS = ("forward", "backward")
+_DRAWN = {
+    "forward": frozenset((Direction.FORWARD, Direction.RECOMPUTE)),
+    "backward": frozenset((Direction.BACKWARD,)),
+}
+# How the picture names what it draws, and the lines its cells are the max of.
+_WHAT = {
+    "forward": ("forward values", "the module's float lines"),
+    "backward": ("gradients", "the module's gradient lines"),
+}
 # The smallest normal number of the narrow dtypes, whose scale is fixed by default (bottom: this, top: the max);
 # a test checks each against torch.finfo(...).smallest_normal.
 SMALLEST_NORMAL: dict[str, float] = {
@@ -116,7 +137,10 @@ class Heatmap:
         cells: `cells[row][column]`: the largest abs max (inf or nan when any line was), None where not recorded.
         dtypes: the floating-point dtypes of the lines drawn.
         returned: for each row, its place in the order the modules' calls returned in a batch (children before
-            their parent, the module that made an inf before those it reached); empty when not known.
+            their parent, the module that made an inf before those it reached); for gradients, the order autograd
+            produced them; empty when not known.
+        direction: what the cells hold: "forward" values or "backward" gradients (`DIRECTIONS`).
+        left_out: how many float lines with a number the file holds in the other direction (not drawn).
     """
 
     rows: list[str]
@@ -124,6 +148,8 @@ class Heatmap:
     cells: list[list[float | None]]
     dtypes: list[str]
     returned: list[float] = field(default_factory=list)
+    direction: str = "forward"
+    left_out: int = 0
 
 
 @dataclass(frozen=True)
@@ -142,6 +168,7 @@ class PlotResult:
         headroom: the headroom threshold (a fraction of that max) whose cells are outlined in orange, or None.
         format: the image format written ("png", "pdf", "svg").
         modules: the rows drawn (for lines: the modules that came closest to the max, closest first).
+        direction: what was drawn: "forward" values or "backward" gradients.
     """
 
     width: int
@@ -154,6 +181,7 @@ class PlotResult:
     headroom: float | None = None
     format: str = "png"
     modules: tuple[str, ...] = ()
+    direction: str = "forward"
 
 
 def _is_float(dtype: str | None) -> bool:
@@ -175,27 +203,39 @@ def _row_name(module: str, depth: int | None) -> str:
     return ".".join(module.split(".")[:depth]) if depth is not None else module
 
 
-def build_heatmap(blocks: Sequence[Block], *, depth: int | None = None) -> Heatmap:
-    """Reduce records to one number per (module, batch): the max over the module's float lines.
+def build_heatmap(blocks: Sequence[Block], *, depth: int | None = None, direction: str = "forward") -> Heatmap:
+    """Reduce records to one number per (module, batch): the max over the module's float lines of one direction.
 
     Args:
         blocks: traced batches (or reports) read from a .jsonl file; a batch held twice keeps its last block.
         depth: gather modules by the first `depth` parts of their names (`transformer.h.0` for depth 3).
+        direction: "forward": the values the forwards saw; "backward": the gradients (`watch_gradients`).
 
     Raises:
-        PlotError: no floating-point line holds a number.
+        PlotError: `direction` is not one of `DIRECTIONS`, or no floating-point line of it holds a number.
     """
+    if direction not in _DRAWN:
+        raise PlotError(f"direction must be one of {', '.join(DIRECTIONS)}, got {direction!r}")
+    drawn = _DRAWN[direction]
     by_batch: dict[int, dict[str, float]] = {}
     segments: list[tuple[list[str], bool]] = []  # each batch's names in return order, and whether it is cut at start
+    forward_segments: list[tuple[list[str], bool]] = []  # the same for the forward alone: the model order
     dtypes: set[str] = set()
+    left_out = 0
     for block in blocks:
         seen: dict[int, dict[str, float]] = {}
         order: dict[int, dict[str, None]] = {}
+        forward_order: dict[int, dict[str, None]] = {}
         for record in block.records:
             if record.abs_max is None or not _is_float(record.dtype):
                 continue
             assert record.dtype is not None
             name = _row_name(record.module, depth)
+            if record.direction is Direction.FORWARD:
+                forward_order.setdefault(record.batch, {}).setdefault(name, None)
+            if record.direction not in drawn:
+                left_out += 1
+                continue
             order.setdefault(record.batch, {}).setdefault(name, None)
             dtypes.add(record.dtype)
             batch_cells = seen.setdefault(record.batch, {})
@@ -203,16 +243,31 @@ def build_heatmap(blocks: Sequence[Block], *, depth: int | None = None) -> Heatm
         by_batch.update(seen)  # a later block of the same batch (a reused report_dir) replaces the earlier one
         # A report's frames may begin in the middle of the batch before the detection: that batch's frames are the
         # end of a forward, the others begin at its start.
-        cut_first = block.kind == "report" and len(order) > 1
-        for index, batch_names in enumerate(order.values()):
-            segments.append((list(batch_names), cut_first and index == 0))
+        for found, into in ((order, segments), (forward_order, forward_segments)):
+            cut_first = block.kind == "report" and len(found) > 1
+            for index, batch_names in enumerate(found.values()):
+                into.append((list(batch_names), cut_first and index == 0))
     if not by_batch:
+        if left_out and direction == "forward":
+            raise PlotError(
+                "nothing to plot in the forward direction: every number in the file is a gradient (--direction "
+                "backward draws them)"
+            )
+        if direction == "backward":
+            raise PlotError(
+                "nothing to plot in the backward direction: the file holds no gradient line (they are recorded "
+                "with watch_gradients=True)"
+            )
         raise PlotError("nothing to plot: no floating-point tensor line holds a number")
     batches = sorted(by_batch)
     places = return_order(segments)
-    names = model_order(segments)
+    # Rows in model order, as the forward ran (a backward runs the other way round), when it saw every row drawn.
+    names = model_order(forward_segments)
+    if not set(places) <= set(names):
+        names = model_order(segments)
+    names = [name for name in names if name in places]
     cells = [[by_batch[batch].get(name) for batch in batches] for name in names]
-    return Heatmap(names, batches, cells, sorted(dtypes), [places[name] for name in names])
+    return Heatmap(names, batches, cells, sorted(dtypes), [places[name] for name in names], direction, left_out)
 
 
 def return_order(segments: Sequence[tuple[Sequence[str], bool]]) -> dict[str, float]:
@@ -514,8 +569,9 @@ def draw_heatmap(
         # No text beside it: it would overlap the max's; the legend names it.
         bar_axes.axhline(math.log10(headroom), color=HEADROOM_COLOUR, linewidth=2.0, linestyle="--")
 
-    first_line = title or "log10(abs max) per module and batch"
-    second = f"cell: max over the module's float lines; {rows} modules, {columns} batches"
+    what, lines = _WHAT[heatmap.direction]
+    first_line = title or f"log10(abs max) per module and batch: {what}"
+    second = f"{what}; cell: max over {lines}; {rows} modules, {columns} batches"
     if not on_scale:
         where = "above" if limit_log > high else "below"
         second += f"; {marked} max {limit:.3g} is off the scale, {abs(limit_log - high):.0f} decades {where}"
@@ -556,7 +612,17 @@ def draw_heatmap(
     pixels: tuple[int, int] = canvas.get_width_height()
     cells = (left * dpi, _TOP_INCH * dpi, plot_width * dpi, plot_height * dpi)
     return PlotResult(
-        pixels[0], pixels[1], cells, low, high, marked, on_scale, headroom, fmt, modules=tuple(heatmap.rows)
+        pixels[0],
+        pixels[1],
+        cells,
+        low,
+        high,
+        marked,
+        on_scale,
+        headroom,
+        fmt,
+        modules=tuple(heatmap.rows),
+        direction=heatmap.direction,
     )
 
 
@@ -591,7 +657,13 @@ def _run(args: argparse.Namespace) -> int:
         names = [record.module for block in blocks for record in block.records]
         modules = chosen_modules(names, config.include_modules, config.exclude_modules, source=args.file)
         blocks = [restrict(block, modules) for block in blocks]
-    heatmap = build_heatmap(blocks, depth=args.depth)
+    heatmap = build_heatmap(blocks, depth=args.depth, direction=args.direction)
+    if heatmap.left_out and args.direction == "forward":  # drawn apart: say where the gradients went
+        print(
+            f"nanwatch plot: note: {args.file} also holds {heatmap.left_out} gradient lines (watch_gradients), "
+            "not drawn here; --direction backward draws them",
+            file=sys.stderr,
+        )
     dtype = args.dtype if args.dtype is not None else marked_dtype(heatmap, config.target_dtype)
     dtype_max(dtype)  # a bad --dtype is an error before anything is drawn
     output: str | IO[bytes] = sys.stdout.buffer if to_stdout else args.output
@@ -639,6 +711,8 @@ def _run(args: argparse.Namespace) -> int:
         size = f"{result.width / args.dpi:.1f}x{result.height / args.dpi:.1f} in"
     rows = len(heatmap.rows)
     what = f"{len(result.modules)} of {rows} modules" if args.kind == "lines" else f"{rows} modules"
+    if heatmap.direction == "backward":
+        what = f"gradients, {what}"
     message = f"wrote {'stdout' if to_stdout else args.output} ({fmt}, {size}, {what}, {len(heatmap.batches)} batches)"
     print(message, file=sys.stderr if to_stdout else sys.stdout)
     return 0
@@ -674,9 +748,10 @@ def register(subparsers: Any) -> None:
             "nan in colours of their own, and the dtype's max marked on the colour bar; the scale is fixed by the "
             "dtype for float16, bfloat16 and float8 (smallest normal to max), so runs compare, or set by --vmin and "
             "--vmax. --kind lines: the abs max over the batches of the --top modules that came closest to the "
-            "dtype's max, that max drawn across. The format follows -o's extension (png, pdf, svg); -o - writes to "
-            'stdout. Needs matplotlib: pip install "nanwatch[plot]". Exit status: 0, or 2 on bad input (one line '
-            "on stderr)."
+            "dtype's max, that max drawn across. Forward values and gradients are drawn apart: --direction forward "
+            "(the default) or backward (the gradients recorded with watch_gradients), each against the max of its "
+            "own tightest dtype. The format follows -o's extension (png, pdf, svg); -o - writes to stdout. Needs "
+            'matplotlib: pip install "nanwatch[plot]". Exit status: 0, or 2 on bad input (one line on stderr).'
         ),
         epilog=fields_epilog("plot", USED_FIELDS),
         formatter_class=ToolHelpFormatter,
@@ -687,6 +762,12 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument(
         "--kind", choices=("heatmap", "lines"), default="heatmap", help="the picture (default: heatmap)"
+    )
+    parser.add_argument(
+        "--direction",
+        choices=DIRECTIONS,
+        default="forward",
+        help="draw the forward's values, or the gradients recorded with watch_gradients (default: forward)",
     )
     parser.add_argument(
         "--format", choices=FORMATS, default=None, help="the image format (default: -o's extension; png for -o -)"

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import IO
 
 from nanwatch.cli.plot import (
+    _WHAT,
     INF_COLOUR,
     SMALLEST_NORMAL,
     Heatmap,
@@ -152,7 +153,7 @@ def draw_lines(
             color=INF_COLOUR,
         )
     axes.set_xlabel("batch", fontsize=9)
-    axes.set_ylabel("abs max", fontsize=9)
+    axes.set_ylabel("abs max" if heatmap.direction == "forward" else "abs max of gradients", fontsize=9)
     axes.tick_params(labelsize=8)
     if len(batches) <= 30:
         axes.set_xticks(batches)
@@ -166,7 +167,8 @@ def draw_lines(
         fontsize=7,
         frameon=False,
     )
-    second = f"{len(rows)} of {len(heatmap.rows)} modules, the closest to {dtype}'s max; {len(batches)} batches"
+    what = _WHAT[heatmap.direction][0]
+    second = f"{what}: {len(rows)} of {len(heatmap.rows)} modules, the closest to {dtype}'s max; {len(batches)} batches"
     if not on_scale:
         second += f"; {dtype} max {limit:.3g} is off the scale"
     figure.text(0.5, 0.95, title or "abs max per batch", ha="center", va="center", fontsize=10, weight="bold")
@@ -176,7 +178,8 @@ def draw_lines(
     left, bottom, axes_width, axes_height = _AXES
     box = (left * width, (1 - bottom - axes_height) * height, axes_width * width, axes_height * height)
     names = tuple(heatmap.rows[row] for row in rows)
-    return PlotResult(width, height, box, math.log10(bottom), math.log10(roof), dtype, on_scale, None, fmt, names)
+    low, high = math.log10(bottom), math.log10(roof)
+    return PlotResult(width, height, box, low, high, dtype, on_scale, None, fmt, names, heatmap.direction)
 
 
 def _label(name: str, cells: list[float | None], batches: list[int]) -> str:

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "COMPILE_WRAPPER_ATTRIBUTE",
+    "compiled_anything",
     "compiled_inner",
     "forget_compiled_code",
     "nested_code",
@@ -102,6 +103,18 @@ def with_compiled_code(codes: Iterable[types.CodeType]) -> list[types.CodeType]:
     if entries is None:
         return []
     return [code for code in codes if entries(code)]
+
+
+def compiled_anything() -> bool:
+    """Whether dynamo compiled any frame in this process (since its last reset), by its own counters; False when
+    torch._dynamo was never imported or this torch keeps no such counters."""
+    counters = getattr(sys.modules.get("torch._dynamo.utils"), "counters", None)
+    if counters is None:
+        return False
+    try:
+        return bool(counters["frames"]["ok"] or counters["stats"]["unique_graphs"])
+    except (KeyError, TypeError):
+        return False
 
 
 def nested_code(*functions: object) -> list[types.CodeType]:

@@ -7,7 +7,7 @@ import json
 import math
 import reprlib
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -155,6 +155,27 @@ class WatchConfig(BaseModel):
         "micro-batch renews for 30 s (a loop abandoned mid-batch) ends by itself. A collector already disabled is "
         "left alone. False: nanwatch never touches the collector.",
     )
+
+    if not TYPE_CHECKING:  # type checkers keep the signature pydantic's plugin gives: one argument per field
+
+        def __init__(self, /, **data: Any) -> None:
+            """Build and validate; an unknown field or a bad value raises `ConfigError` naming the field (with a
+            "did you mean" for a misspelt one), as every other entry point does."""
+            try:
+                super().__init__(**data)
+            except ValidationError as error:
+                raise ConfigError(_describe(error, "WatchConfig")) from None
+
+        # Only the class call goes through here: `model_validate` (which `from_dict` wraps once) validates without
+        # it, as for pydantic's own `__init__` (and RootModel's) that carry this mark.
+        __init__.__pydantic_base_init__ = True
+
+        def __setattr__(self, name: str, value: Any) -> None:
+            # Assignments are validated too (validate_assignment): the same one-line error.
+            try:
+                super().__setattr__(name, value)
+            except ValidationError as error:
+                raise ConfigError(_describe(error, "WatchConfig")) from None
 
     @field_validator("headroom_warn_fraction", mode="before")
     @classmethod
@@ -337,8 +358,11 @@ def _describe(error: ValidationError, source: str) -> str:
             near = difflib.get_close_matches(field, list(WatchConfig.model_fields), n=1)
             hint = f"did you mean {near[0]!r}? " if near else ""
             problems.append(f"unknown field {field!r} ({hint}known fields: {known})")
+        elif not item["loc"]:  # a rule across fields (capture_on_detect needs report_dir)
+            problems.append(item["msg"].removeprefix("Value error, "))
         else:
-            problems.append(f"field {field!r}: {item['msg']} (got {echo(item.get('input'))})")
+            message = item["msg"].removeprefix("Value error, ")
+            problems.append(f"field {field!r}: {message} (got {echo(item.get('input'))})")
     return f"{source}: " + "; ".join(problems)
 
 

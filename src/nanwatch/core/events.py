@@ -79,6 +79,10 @@ class EngineContext(Protocol):
         """An adapter checks before each optimizer step (core/features/guard.py)."""
 
     @property
+    def frames_finite(self) -> bool:
+        """In `review`: whether every frame of this check is finite (the feature's own flags tripped alone)."""
+
+    @property
     def optimizer_step(self) -> int | None: ...
     @property
     def epoch(self) -> int | None: ...

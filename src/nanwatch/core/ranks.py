@@ -111,13 +111,17 @@ class DetectionBoard:
         Args:
             mine: this rank's detection (posted first), or None when this rank saw nothing but others did.
             wait: wait up to `wait_s` for every rank's post before deciding (at the optimizer step, where a nan on
-                one rank reaches every rank's gradients); without it, decide from what is posted now.
+                one rank reaches every rank's gradients); without it, decide from what is posted now (a detection
+                of kind "gradients" always waits).
 
         Raises:
             TimeoutError: this rank saw nothing, and within `wait_s` no rank posted or decided anything.
         """
         if mine is not None:
             self.post(mine)
+            # Non-finite gradients alone are what every rank sees after DDP's all-reduce, never evidence of where the
+            # nan began: such a rank waits for the others' posts (it is at an optimizer step, where the ranks meet).
+            wait = wait or mine.kind == "gradients"
         deadline = time.monotonic() + self.wait_s
         while True:
             verdict = self._verdict()

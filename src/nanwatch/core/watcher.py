@@ -12,7 +12,6 @@ import enum
 import logging
 import operator
 import types
-import warnings
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal, NoReturn, TypeVar
@@ -20,6 +19,7 @@ from typing import Any, Literal, NoReturn, TypeVar
 import torch
 
 from nanwatch.core.compiler import (
+    compiled_anything,
     forget_compiled_code,
     nested_code,
     run_outside_dynamo,
@@ -30,6 +30,7 @@ from nanwatch.core.compiler import (
 from nanwatch.core.config import WatchConfig
 from nanwatch.core.events import EngineContext, Feature, OptimizerStage, Phase
 from nanwatch.core.features import features_for
+from nanwatch.core.features.guard import backward_note, first_gradient
 from nanwatch.core.features.headroom import HeadroomMonitor
 from nanwatch.core.features.loss_scale import GradScalerLike, LossScaleFeature, LossScaleMonitor
 from nanwatch.core.features.summary import Summary, SummaryFeature
@@ -37,7 +38,7 @@ from nanwatch.core.formats.files import prepare_report_dir, write_report
 from nanwatch.core.frames import Direction, Entry, Frame, FrameRing, Role, resolve
 from nanwatch.core.gcpause import pause_collection, resume_collection
 from nanwatch.core.hooks import HookSet, module_class_name, named_unique_modules, reshards_after_forward
-from nanwatch.core.log import get_logger
+from nanwatch.core.log import get_logger, warn
 from nanwatch.core.ranks import Detection, DetectionBoard, Kind, world_size_and_rank
 from nanwatch.core.report import Report, ReportSection
 from nanwatch.core.scope import BatchSchedule, select_modules
@@ -59,7 +60,7 @@ from nanwatch.core.stats.measure import (
     stack_maxima,
 )
 from nanwatch.core.walk import TooDeep, TooMany, walk
-from nanwatch.errors import BatchLimitReached, NanwatchError, NanwatchWarning, NonFiniteError
+from nanwatch.errors import BatchLimitReached, NanwatchError, NonFiniteError
 
 __all__ = ["Watcher", "PHASES", "KEEP"]
 
@@ -110,10 +111,12 @@ class Watcher:
         self, model: torch.nn.Module, config: WatchConfig, *, rank: int | None = None, world_size: int | None = None
     ) -> None:
         found_world_size, found_rank = world_size_and_rank()
-        self.model = model
-        # The module the user calls, when it wraps `model` (DDP, torch.compile): sentinel mode hooks it there, outside
-        # the wrapper's own machinery (a compiled graph), and runs `model` itself to replay.
-        self.entry: torch.nn.Module = model
+        # Held while watching, and only weakly once closed (`close()`): a closed watcher keeps no tensor of the model
+        # alive (a notebook that deletes the model gets its memory back while the handle lives on).
+        self._model: torch.nn.Module | None = model
+        self._model_ref = weakref.ref(model)
+        self._entry: torch.nn.Module | None = model
+        self._entry_ref = weakref.ref(model)
         self.config = config
         self.rank = found_rank if rank is None else rank
         self.world_size = found_world_size if world_size is None else world_size
@@ -135,6 +138,7 @@ class Watcher:
         self._modules: dict[str, torch.nn.Module] = {}  # the watched modules by name, for traced frames
         self._batch_recorded = False  # a frame was recorded since the last training batch ended
         self._told_nothing_recorded = False
+        self._hooked = False  # module hooks were attached once (full mode), whether or not they are still there
         self._hooks = HookSet()
         self._schedule = BatchSchedule(config)
         self._features = features_for(config)
@@ -148,6 +152,8 @@ class Watcher:
         self._detection: Report | None = None  # seen, and held for the optimizer step where ranks meet
         self._published = False
         self._guarded = False  # an adapter checks before each optimizer step
+        self._frames_finite = True  # during a check's review: no frame of that check holds inf/nan
+        self._guarded_optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         self._feature(SummaryFeature).sink = self._log_summary
         self._update_tracing()
 
@@ -162,6 +168,7 @@ class Watcher:
         """
         if len(self._hooks):
             raise RuntimeError("nanwatch: hooks are already attached; call close() first")
+        self._model, self._entry = self.model, self.entry  # held again, if this watcher was closed before
         if self.config.report_dir is not None:
             prepare_report_dir(self.config.report_dir)  # a bad one is an error now, not a lost report later
         candidates = modules if modules is not None else named_unique_modules(self.model)
@@ -182,6 +189,7 @@ class Watcher:
             self._cache.track_parameters(p for _, m in selected for p in m._parameters.values() if p is not None)
             if not self._replaying:  # a replay runs the model eagerly: its compiled code is not in the way
                 self._forget_stale_compiled_code([module for _, module in selected])
+            self._hooked = bool(selected)
         for feature in self._features:  # after the frame hooks: their hooks run once a frame is recorded
             feature.attach(self._ctx, selected)
 
@@ -234,13 +242,41 @@ class Watcher:
             for feature in self._features:
                 self._safely(f"closing {feature.name}", feature.detach, self._ctx)
                 self._safely(f"closing {feature.name}", feature.close, self._ctx)
-        if report is None and self._detection is not None:  # held for a step that never came
-            report = self._detection
-            if not self._published:
-                self._publish(report)
-        if report is not None and raise_detection:
-            self._raise_detection(report, Detection(report.batch_number, self.rank, report.phase))
+        try:
+            if report is None and self._detection is not None:  # held for a step that never came
+                report = self._detection
+                if not self._published:
+                    self._publish(report)
+            if report is not None and raise_detection:
+                self._raise_detection(report, Detection(report.batch_number, self.rank, report.phase))
+        finally:
+            self._let_go()
         return report
+
+    def _let_go(self) -> None:
+        """Closed: hold nothing of the model any more (the modules, the compiled path's adapter hooks, the cache's
+        tracked parameters and staging buffers; each feature dropped its own in `close`), only what a user may still
+        read (the counters, the ring's frames, the reports, the summary's numbers)."""
+        self._model = self._entry = None
+        self._modules.clear()
+        self._outside.clear()
+        self._cache.clear()
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """The watched model. Once closed, held weakly: `ReferenceError` when nothing else keeps it alive."""
+        return _held(self._model, self._model_ref, "model")
+
+    @property
+    def entry(self) -> torch.nn.Module:
+        """The module the user calls, when it wraps `model` (DDP, torch.compile): sentinel mode hooks it there,
+        outside the wrapper's own machinery (a compiled graph), and runs `model` itself to replay. Once closed, held
+        weakly (as `model`)."""
+        return _held(self._entry, self._entry_ref, "entry module")
+
+    @entry.setter
+    def entry(self, module: torch.nn.Module) -> None:
+        self._entry, self._entry_ref = module, weakref.ref(module)
 
     def start_batch(
         self, phase: Phase, *, optimizer_step: int | None | _Keep = KEEP, epoch: int | None | _Keep = KEEP
@@ -260,7 +296,11 @@ class Watcher:
         if phase == "train":
             self._batch_started = True
             if self._board is not None and self._board.posted_elsewhere():
-                self._raise_verdict(None)  # another rank stopped: so does this one, before its next forward
+                # Another rank stopped: so does this one, before its next forward. With its own evidence first: an
+                # adapter may start the batch again after its forward (frames not checked yet), or a detection may
+                # be held for the optimizer step; settling with nothing would post nothing, and the verdict would
+                # name whichever rank posted first (under DDP, a rank whose only evidence is the shared gradients).
+                self._settle(hold=False)
 
     def end_batch(self, *, optimizer_step: int | None | _Keep = KEEP, epoch: int | None | _Keep = KEEP) -> None:
         """The current micro-batch is over: check it, then advance its phase's counter.
@@ -303,20 +343,37 @@ class Watcher:
             )
 
     def _say_if_nothing_recorded(self) -> None:
-        """A watched training batch that recorded no frame at all: say so, once. Most often the model runs inside code
-        that torch.compile compiled before watching began (a compiled training step), which runs no hook added later."""
+        """A watched training batch that recorded no frame at all: say so, once, and why as far as it is known: the
+        hooks were removed (nanwatch raised, or the watcher was closed), code compiled by torch.compile before watching
+        began ran the model (a compiled training step runs no hook added later), or no training forward of the model
+        ran (none at all, or only in eval mode)."""
         recorded, self._batch_recorded = self._batch_recorded, False
         if recorded or self._told_nothing_recorded or not self._recording or self.config.mode != "full":
+            return
+        batch = f"batch_number={self.batch_number}"
+        if not self.attached:
+            if self._hooked:  # the hooks are gone: close(), or the adapter's own cleanup when nanwatch raised
+                self._told_nothing_recorded = True
+                self._warn(
+                    "nanwatch: the batches since nanwatch raised (or was closed) are not watched: its hooks went with "
+                    "the error. Watch the model again (nanwatch.watch) to go on watching. (Said once.)"
+                )
             return
         if not self._modules:
             return
         self._told_nothing_recorded = True
-        self._warn(
-            f"nanwatch: no watched module recorded anything during batch_number={self.batch_number}. If the model "
-            "runs inside code compiled by torch.compile before watching began, that code runs no hook added later: "
-            "start watching before the first compiled call, or call torch._dynamo.reset() after starting to watch. "
-            "(Said once.)"
-        )
+        if compiled_anything():
+            self._warn(
+                f"nanwatch: no watched module recorded anything during {batch}. If the model runs inside code "
+                "compiled by torch.compile before watching began, that code runs no hook added later: start watching "
+                "before the first compiled call, or call torch._dynamo.reset() after starting to watch. (Said once.)"
+            )
+        else:
+            self._warn(
+                f"nanwatch: no watched module recorded anything during {batch}: no forward of the watched model ran "
+                "in training mode since the previous batch ended (a forward in eval mode is not watched unless "
+                "watch_eval=True). (Said once.)"
+            )
 
     def agreement_point(self, *, hold: bool = True) -> None:
         """Check now (before backward, say) rather than at the end of the micro-batch; a detection raises as in
@@ -338,6 +395,8 @@ class Watcher:
         self._set_counters(optimizer_step, KEEP)
         if stage == "guarded":
             self._guarded = True
+            if optimizer is not None:
+                self._guarded_optimizers.add(optimizer)
             return
         self._dispatch("on_optimizer_step", stage, optimizer)
         if stage == "before":
@@ -407,6 +466,10 @@ class Watcher:
     def hooks(self) -> HookSet:
         """The handles of every hook this watcher owns; adapters add theirs here so `close()` removes them too."""
         return self._hooks
+
+    def guards(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether an adapter checks before each step of `optimizer` (reported at the "guarded" stage)."""
+        return optimizer in self._guarded_optimizers
 
     @property
     def disabled_reason(self) -> str | None:
@@ -612,6 +675,7 @@ class Watcher:
         if pending and not self._batch_recorded:
             self._batch_recorded = any(frame.module_name != "(loss)" for frame in pending)
         non_finite, tripped = self._screen(pending, features=True)
+        self._frames_finite = not non_finite
         found = None
         for feature in tripped:  # a feature's own flag: it reads what it needs, warns, or reports (the guard)
             if non_finite and not feature.detects:
@@ -818,13 +882,13 @@ class Watcher:
             return f"{report.header} (nanwatch could not render its frames: {error!r})"
 
     def _warn(self, message: str) -> None:
-        self.logger.warning(message)
-        warnings.warn(message, NanwatchWarning, stacklevel=3)
+        warn(message)  # once: a NanwatchWarning (at the user's line), and the logger's other destinations
 
     def _raise_detection(self, local: Report | None, agreed: Detection) -> NoReturn:
         """Raise `NonFiniteError`: the same on every rank, for the detecting rank and batch `agreed` names."""
         resume_collection()  # the micro-batch ends here
         self._detection, self._published = None, False  # raised once: it is the caller's now
+        self._batch_recorded = False  # a loop that catches this and goes on records nothing more (hooks removed)
         ours = local is not None and (local.batch_number, self.rank) == (agreed.batch_number, agreed.rank)
         mine = local if ours else None
         module_name = mine.module_name if mine is not None else None
@@ -832,11 +896,18 @@ class Watcher:
         counter = "batch_number" if phase == "train" else f"{phase}_batch_number"
         where = f" on rank {agreed.rank}" if self.world_size > 1 else ""
         culprit = mine.culprit if mine is not None else None
-        first = f", first in module {module_name!r}" if module_name is not None else ""
+        gradient = first_gradient(mine) if mine is not None and _kind(mine) == "gradients" else None
+        if gradient is not None:  # no frame held it: the module named is only where the first bad gradient is
+            first = f" in the gradients about to be applied (first: {gradient!r})"
+            if self.config.mode == "full":
+                first += f"; {backward_note(self.config.watch_gradients)}"
+        else:
+            first = f", first in module {module_name!r}" if module_name is not None else ""
         if culprit is not None:
             first += f": {culprit}"
+        shown = "the frames that led there" if gradient is None else "the last frames recorded, then the gradients"
         message = f"nanwatch: inf/nan detected during {counter}={agreed.batch_number}{where}{first}. " + (
-            "The report above shows the frames that led there." if mine is not None else "See that rank's report."
+            f"The report above shows {shown}." if mine is not None else "See that rank's report."
         )
         raise NonFiniteError(
             message,
@@ -924,6 +995,13 @@ class Watcher:
 
     def _log_summary(self, summary: Summary) -> None:
         self.logger.info(summary.to_text())
+
+
+def _held(module: torch.nn.Module | None, ref: weakref.ref[torch.nn.Module], what: str) -> torch.nn.Module:
+    found = module if module is not None else ref()
+    if found is None:
+        raise ReferenceError(f"nanwatch: the watched {what} no longer exists (this watcher was closed, and let it go)")
+    return found
 
 
 def _hook_code() -> list[types.CodeType]:
@@ -1019,7 +1097,7 @@ class _Context:
     logger, hooks, phase, batch_number = _Read("logger"), _Read("hooks"), _Read("phase"), _Read("batch_number")
     current_batch, optimizer_step, epoch = _Read("current_batch"), _Read("optimizer_step"), _Read("epoch")
     recording, tracing, disabled_reason = _Read("recording"), _Read("_tracing"), _Read("disabled_reason")
-    guarded = _Read("_guarded")
+    guarded, frames_finite = _Read("_guarded"), _Read("_frames_finite")
 
     def __init__(self, engine: Watcher) -> None:
         self._engine = engine

@@ -38,6 +38,59 @@ def test_a_nan_born_in_backward_never_reaches_the_weights_without_watch_gradient
     assert "(2 of 4 parameters); the step did not run" in error.report
 
 
+@pytest.mark.parametrize("fault", [InfInBackward, NanInBackward])
+def test_a_nan_born_in_backward_is_said_to_be_born_there_not_in_the_first_module_of_the_gradient_list(
+    fault: type[nn.Module],
+) -> None:
+    # Every forward frame is finite; only the gradients are not. Before, the error said "first in module 'encoder.0'"
+    # (merely the owner of the first gradient the optimizer holds) and the report nothing of backward.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Sequential(nn.Linear(3, 3)), fault(), nn.Linear(3, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with watch(model, optimizer=optimizer) as handle:
+        model(torch.ones(2, 3)).sum().backward()
+        with pytest.raises(NonFiniteError) as info:
+            optimizer.step()
+        handle.close()
+    error = info.value
+    message = str(error)
+    assert "first in module" not in message
+    assert "in the gradients about to be applied (first: '0.0.weight')" in message
+    said = "every forward value recorded was finite: the inf/nan appeared in backward. watch_gradients=True"
+    assert said in message
+    assert said[0].upper() + said[1:] in error.report  # the report says it too, after the gradients' line
+    assert error.report.index("non-finite gradients about to be applied") < error.report.index("Every forward value")
+
+
+def test_a_nan_made_after_backward_is_not_said_to_need_watch_gradients() -> None:
+    # With watch_gradients the backward frames are finite too: the gradients went non-finite after the backward.
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with watch(model, optimizer=optimizer, watch_gradients=True) as handle:
+        model(torch.ones(2, 3)).sum().backward()
+        with torch.no_grad():
+            model[1].bias.grad.fill_(float("nan"))  # gradient clipping gone wrong, say
+        with pytest.raises(NonFiniteError) as info:
+            optimizer.step()
+        handle.close()
+    message = str(info.value)
+    assert "every value recorded, forward and backward, was finite" in message
+    assert "watch_gradients=True" not in message
+
+
+def test_a_forward_nan_with_non_finite_gradients_is_not_said_to_be_born_in_backward() -> None:
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with watch(model, optimizer=optimizer) as handle:
+        model(torch.full((2, 3), float("inf"))).sum().backward()
+        with pytest.raises(NonFiniteError) as info:
+            optimizer.step()
+        handle.close()
+    assert "appeared in backward" not in str(info.value)
+    assert "appeared in backward" not in info.value.report
+    assert "first in module" in str(info.value)
+
+
 def test_lbfgs_is_checked_after_its_closure_computed_the_gradients() -> None:
     # optimizer.step(closure): the step pre-hook runs before the closure, when there is nothing to check yet; the
     # closure is wrapped, so every evaluation it makes is checked before the optimizer uses its gradients.

@@ -335,6 +335,48 @@ def test_a_mode_that_is_not_one_of_the_two_names_the_field() -> None:
     assert WatchConfig(mode="sentinel").mode == "sentinel"
 
 
+class ReturnsAPlainValue(nn.Module):
+    """A model whose forward returns a Python float or None: nothing sentinel mode can look at."""
+
+    def __init__(self, returns: str) -> None:
+        super().__init__()
+        self.fc = nn.Linear(2, 1)
+        self.returns = returns
+
+    def forward(self, x: torch.Tensor) -> float | None:
+        value = self.fc(x).sum()
+        return float(value.detach()) if self.returns == "float" else None
+
+
+@pytest.mark.parametrize(("returns", "said"), [("float", "returned a float ("), ("none", "returned None, ")])
+def test_an_output_the_sentinel_cannot_read_is_said_once(returns: str, said: str) -> None:
+    # Before: no check at all (no tensor output, no optimizer step), and not a word about it.
+    model = ReturnsAPlainValue(returns)
+    x = torch.full((1, 2), float("inf"))  # an inf or nan output, and nobody looks
+    with nanwatch.watch(model, mode="sentinel") as handle:
+        with pytest.warns(nanwatch.NanwatchWarning) as record:
+            model(x)
+        handle.step()
+        model(x)  # said once
+        handle.step()
+    assert len(record) == 1
+    message = str(record[0].message)
+    assert f"the forward of ReturnsAPlainValue {said}" in message
+    assert "so its output is not checked" in message
+    assert "with no optimizer guarded, nothing else is either" in message
+    for remedy in ("optimizer=", "watch_loss", "mode='full'"):
+        assert remedy in message
+
+
+def test_an_unreadable_output_with_a_guarded_optimizer_says_the_gradients_are_still_checked() -> None:
+    model = ReturnsAPlainValue("none")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanwatch.watch(model, mode="sentinel", optimizer=optimizer) as handle:
+        with pytest.warns(nanwatch.NanwatchWarning, match="only the gradients are checked, before each optimizer step"):
+            model(torch.ones(1, 2))
+        handle.step()
+
+
 class TakesAnIterator(nn.Module):
     def __init__(self) -> None:
         super().__init__()

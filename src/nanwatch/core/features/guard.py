@@ -28,7 +28,7 @@ from nanwatch.core.report import Report, ReportSection
 from nanwatch.core.stats.measure import MagnitudePlan
 from nanwatch.core.stats.sharded import local_shard
 
-__all__ = ["GradientGuard", "MAX_NAMED"]
+__all__ = ["GradientGuard", "MAX_NAMED", "backward_note", "first_gradient"]
 
 # Parameters named in a report; the others are counted.
 MAX_NAMED = 5
@@ -49,6 +49,9 @@ class GradientGuard(Feature):
     def attach(self, ctx: EngineContext, modules: Sequence[tuple[str, torch.nn.Module]]) -> None:
         named = ctx.model.named_parameters(remove_duplicate=False)
         self._names = {id(param): clean_name(name) for name, param in named}  # no FSDP1 `_fsdp_wrapped_module.`
+
+    def close(self, ctx: EngineContext) -> None:
+        self._launched = self._screened = None  # they hold the parameters: a closed watcher lets the model go
 
     def on_optimizer_step(
         self, ctx: EngineContext, stage: OptimizerStage, optimizer: torch.optim.Optimizer | None
@@ -98,11 +101,40 @@ class GradientGuard(Feature):
             "non_finite": len(bad),
             "of": len(params),
         }
+        lines = [line]
+        if ctx.frames_finite and ctx.config.mode == "full":  # no frame of this check holds inf/nan
+            note = backward_note(ctx.config.watch_gradients)
+            lines.append(note[0].upper() + note[1:] + ".")
+        # The module owning the first non-finite gradient in the optimizer's order: where it is, not where it began.
         owner = bad[0][0].rpartition(".")[0]
-        return ctx.detection_report(ReportSection("gradients", 5, (line,), data, bad), owner)
+        return ctx.detection_report(ReportSection("gradients", 5, tuple(lines), data, bad), owner)
 
     def _name(self, param: torch.Tensor, index: int) -> str:
         return self._names.get(id(param), f"(parameter {index} of the optimizer, outside the watched model)")
+
+
+def backward_note(watch_gradients: bool) -> str:
+    """Where inf/nan that only the gradients about to be applied hold came from, when every frame recorded (full
+    mode) was finite; and, without `watch_gradients`, the option that shows where."""
+    if not watch_gradients:
+        return (
+            "every forward value recorded was finite: the inf/nan appeared in backward. "
+            "watch_gradients=True records the backward too, and names the module where it first appeared"
+        )
+    return (
+        "every value recorded, forward and backward, was finite: the inf/nan appeared in the gradients after the "
+        "backward (a change to .grad before the step, such as gradient clipping), or in parameters of modules that "
+        "are not watched"
+    )
+
+
+def first_gradient(report: Report) -> str | None:
+    """The name of the first non-finite gradient of a detection the guard made, or None for any other report."""
+    section = report.section("gradients")
+    if section is None or not section.payload:
+        return None
+    name: str = section.payload[0][0]
+    return name
 
 
 _Groups = list[tuple[list[int], torch.Tensor]]

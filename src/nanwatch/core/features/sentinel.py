@@ -33,6 +33,7 @@ from torch.utils._pytree import tree_map_only
 from nanwatch.core.events import EngineContext, Feature, OptimizerStage, Phase
 from nanwatch.core.frames import Frame, Role
 from nanwatch.core.hooks import reshards_after_forward
+from nanwatch.core.log import warn
 from nanwatch.core.report import Report, ReportSection
 from nanwatch.core.runstate import autocast_as, autocast_state, capture_rng_states, restore_rng_states
 from nanwatch.core.walk import walk
@@ -93,6 +94,7 @@ class SentinelFeature(Feature):
         self._sharded = False  # FSDP: a forward on one rank alone would run collectives no other rank runs
         self._changing: set[str] | None = None  # the buffers a forward changes, once one micro-batch showed which
         self._as_first_began: dict[str, torch.Tensor] | None = None  # the buffers before the first micro-batch
+        self._said_unreadable = False  # an output with no floating-point tensor in it was warned about
 
     def attach(self, ctx: EngineContext, modules: Sequence[tuple[str, torch.nn.Module]]) -> None:
         self._ctx = ctx
@@ -125,6 +127,7 @@ class SentinelFeature(Feature):
 
     def close(self, ctx: EngineContext) -> None:
         self._window, self._seen, self._screened, self._buffers = [], [], [], []
+        self._as_first_began = None
 
     # --------------------------------------------------------------------------------------------- keeping
 
@@ -175,7 +178,11 @@ class SentinelFeature(Feature):
         training = module.training
         call = self._window[-1].calls[-1] if training and self._window and self._window[-1].calls else None
         batch = ctx.batch_number if training else ctx.current_batch
-        for label, leaf in _float_leaves(output):
+        leaves = list(_float_leaves(output))
+        if not leaves and not self._said_unreadable:
+            self._said_unreadable = True
+            warn(_unreadable(module, output, guarded=ctx.guarded))
+        for label, leaf in leaves:
             if leaf.numel():  # an empty output holds no inf/nan (and has no min)
                 self._seen.append(_look_at(leaf.detach(), f"{label} of the model", batch, training))
             if call is not None and leaf.requires_grad:
@@ -308,6 +315,27 @@ class SentinelFeature(Feature):
                 for name, value in now.items():
                     buffers[name].copy_(value)
             restore_rng_states(callers_rng)
+
+
+def _unreadable(module: torch.nn.Module, output: Any, *, guarded: bool) -> str:
+    """What to say of an output that holds no floating-point tensor: what was returned, what is still checked."""
+    if output is None or isinstance(output, (bool, int, float)):
+        returned = repr(output) if output is None else f"a {type(output).__name__} ({output!r})"
+    elif isinstance(output, torch.Tensor):
+        returned = f"a {str(output.dtype).removeprefix('torch.')} tensor"
+    else:
+        returned = f"a {type(output).__name__} with no floating-point tensor in it"
+    checked = (
+        "only the gradients are checked, before each optimizer step (and a loss recorded with watch_loss)"
+        if guarded
+        else "with no optimizer guarded, nothing else is either (but a loss recorded with watch_loss)"
+    )
+    return (
+        f"nanwatch sentinel mode: the forward of {type(module).__name__} returned {returned}, so its output is not "
+        f"checked; {checked}. Return the output (or the loss) as a floating-point tensor, record the loss with "
+        "watch_loss(loss), pass the optimizer (optimizer=) so the gradients are checked before each step, or watch "
+        "with mode='full'. (Said once.)"
+    )
 
 
 def _shards_parameters(module: torch.nn.Module) -> bool:

@@ -11,7 +11,6 @@ decides which batches are traced, and on which ranks (`trace_ranks`); this featu
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -22,10 +21,10 @@ from nanwatch.core.events import EngineContext, Feature, Phase
 from nanwatch.core.formats.files import append_trace, append_trace_records, trace_paths
 from nanwatch.core.formats.jsonl import trace_records
 from nanwatch.core.frames import Frame, ResolvedEntry, ResolvedFrame, resolve
+from nanwatch.core.log import warn
 from nanwatch.core.report import TABLE_HEADER, format_batch_start, format_frame
 from nanwatch.core.stats import registry
 from nanwatch.core.walk import call_leaves
-from nanwatch.errors import NanwatchWarning
 
 __all__ = ["TraceFeature"]
 
@@ -72,8 +71,7 @@ class TraceFeature(Feature):
             # trace goes on in the log, from this frame on, under its batch's header.
             self._files_failed = True
             message = f"nanwatch stopped writing the trace to {report_dir} (watching goes on): {error}"
-            ctx.logger.warning(message)
-            warnings.warn(message, NanwatchWarning, stacklevel=2)
+            warn(message)
             ctx.logger.info("\n".join([*header, frame_text]))
         else:
             if opens_batch:

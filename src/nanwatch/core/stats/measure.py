@@ -675,6 +675,10 @@ class StatsCache:
         self._staging.rewind()
 
     def clear(self) -> None:
+        """Forget everything, the tracked parameters too (`track_parameters`), and free the staging buffers: a cleared
+        cache holds no tensor (a closed watcher lets the model go)."""
         self.forget_parameters()
         self.forget_activations()
         self._staging.clear()
+        self._plan, self._index, self._tracked = None, {}, None
+        self._versions, self._pointers, self._dtypes = [], [], []

@@ -1,0 +1,186 @@
+"""core/ranks.py and the engine's use of it: ranks agree on who saw inf/nan first, whatever the scheduling.
+
+Two ranks in one process: threads (or one thread acting in a fixed order) against one real in-memory c10d store
+(`HashStore`, the same `set`/`add`/`check`/`compare_set` protocol as the TCPStore of a real run). No mocks.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch._C._distributed_c10d import HashStore
+
+import nanwatch.core.ranks
+from nanwatch import NonFiniteError, WatchConfig
+from nanwatch.core.ranks import Detection, DetectionBoard
+from nanwatch.core.watcher import Watcher
+
+WAIT_S = 2.0
+
+
+@pytest.fixture
+def store(monkeypatch: pytest.MonkeyPatch) -> Any:
+    # In a real run each rank is a process whose first board takes the first keys; here both ranks share one process,
+    # so both boards are given the same keys.
+    monkeypatch.setattr(nanwatch.core.ranks, "_generations", itertools.repeat(0))
+    return HashStore()
+
+
+class Blowup(nn.Module):
+    """Multiplies by inf when `armed`: the frames of this rank hold the inf, as rank 1's do in the DDP tests."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.armed = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * float("inf") if self.armed else x
+
+
+class Settling(threading.Thread):
+    """A rank with only a board (no model): it posts `mine` and settles, as a rank whose guard saw only gradients."""
+
+    def __init__(self, board: DetectionBoard, mine: Detection | None) -> None:
+        super().__init__(daemon=True)
+        self.board, self.mine = board, mine
+        self.verdict: Detection | BaseException | None = None
+        self.took: float | None = None
+
+    def run(self) -> None:
+        began = time.monotonic()
+        try:
+            self.verdict = self.board.settle(self.mine)
+        except BaseException as error:
+            self.verdict = error
+        self.took = time.monotonic() - began
+
+
+def _wait_for_count(store: Any, count: int) -> None:
+    deadline = time.monotonic() + 10
+    while int(store.add("nanwatch/0/count", 0)) < count:
+        assert time.monotonic() < deadline, "the other rank never posted"
+        time.sleep(0.005)
+
+
+def test_the_rank_whose_frames_hold_the_inf_is_named_even_when_the_gradients_rank_posts_first(store: Any) -> None:
+    # The HF Trainer flake, made deterministic. Rank 1's forward of micro-batch 3 holds an inf; DDP's all-reduce made
+    # rank 0's gradients inf too, and rank 0's guard posted a "gradients" detection before rank 1 ended its
+    # micro-batch. The Trainer's adapter then calls start_batch() again (after the forward, frames still unchecked)
+    # and end_batch(). Before: start_batch's poll saw rank 0's post and settled with nothing of its own, so rank 1
+    # never posted its frames; both ranks waited rank_wait_s and the verdict named rank 0.
+    blowup = Blowup()
+    model = nn.Sequential(nn.Linear(4, 4), blowup, nn.Linear(4, 2))
+    watcher = Watcher(model, WatchConfig(rank_wait_s=WAIT_S), rank=1, world_size=2)
+    watcher._board = DetectionBoard(store, 1, 2, WAIT_S)  # what DetectionBoard.for_this_run gives in a real run
+    watcher.on_optimizer_step("guarded")
+    watcher.attach()
+    for _ in range(3):  # micro-batches 0-2: clean
+        watcher.start_batch("train")
+        model(torch.ones(2, 4))
+        watcher.end_batch()
+    watcher.start_batch("train")
+    blowup.armed = True
+    model(torch.ones(2, 4))  # micro-batch 3: inf in rank 1's frames
+
+    rank0 = Settling(DetectionBoard(store, 0, 2, WAIT_S), Detection(3, 0, "train", "gradients"))
+    rank0.start()
+    _wait_for_count(store, 1)  # rank 0's gradients are on the board first
+    began = time.monotonic()
+    with pytest.raises(NonFiniteError) as caught:
+        watcher.start_batch("train")  # as the HF Trainer adapter does before end_batch()
+    took = time.monotonic() - began
+    rank0.join(timeout=3 * WAIT_S)
+
+    assert (caught.value.rank, caught.value.batch_number, caught.value.module_name) == (1, 3, "1")
+    assert rank0.verdict == Detection(3, 1, "train", "frames")
+    # Neither rank waited out rank_wait_s: every rank had posted.
+    assert took < WAIT_S / 2
+    assert rank0.took is not None
+    assert rank0.took < WAIT_S / 2
+    watcher.close(check=False)
+
+
+def test_a_held_detection_is_posted_when_another_rank_posts_first(store: Any) -> None:
+    # Rank 1 saw inf in micro-batch 2 and holds it for the optimizer step (gradient accumulation); rank 0 posts before
+    # that step. Rank 1's next start_batch() must settle with its own detection, not with nothing.
+    blowup = Blowup()
+    model = nn.Sequential(nn.Linear(4, 4), blowup, nn.Linear(4, 2))
+    watcher = Watcher(model, WatchConfig(rank_wait_s=WAIT_S), rank=1, world_size=2)
+    watcher._board = DetectionBoard(store, 1, 2, WAIT_S)
+    watcher.on_optimizer_step("guarded")
+    watcher.attach()
+    for _ in range(2):
+        watcher.start_batch("train")
+        model(torch.ones(2, 4))
+        watcher.end_batch()
+    watcher.start_batch("train")
+    blowup.armed = True
+    model(torch.ones(2, 4))
+    watcher.end_batch()  # micro-batch 2: held (guarded), published, not posted yet
+    blowup.armed = False
+
+    rank0 = Settling(DetectionBoard(store, 0, 2, WAIT_S), Detection(3, 0, "train", "gradients"))
+    rank0.start()
+    _wait_for_count(store, 1)
+    with pytest.raises(NonFiniteError) as caught:
+        watcher.start_batch("train")  # micro-batch 3's forward pre-hook
+    rank0.join(timeout=3 * WAIT_S)
+
+    assert (caught.value.rank, caught.value.batch_number) == (1, 2)
+    assert rank0.verdict == Detection(2, 1, "train", "frames")
+    watcher.close(check=False)
+
+
+def test_frames_posted_after_gradients_still_win_within_the_wait(store: Any) -> None:
+    # The gradients rank posts first; the frames rank is descheduled for a while (publishing its report, under load)
+    # and posts later, within rank_wait_s: both ranks name the frames rank, whatever the order of posting.
+    gradients = Settling(DetectionBoard(store, 0, 2, WAIT_S), Detection(3, 0, "train", "gradients"))
+    gradients.start()
+    _wait_for_count(store, 1)
+    time.sleep(WAIT_S / 4)
+    frames = Settling(DetectionBoard(store, 1, 2, WAIT_S), Detection(3, 1, "train", "frames"))
+    frames.start()
+    for rank in (gradients, frames):
+        rank.join(timeout=3 * WAIT_S)
+        assert rank.verdict == Detection(3, 1, "train", "frames")
+
+
+def test_a_gradients_only_rank_does_not_decide_early_without_waiting(store: Any) -> None:
+    # wait=False is for evaluation (ranks need not meet); a gradients-only detection is made at an optimizer step,
+    # where the ranks do meet, and is never evidence of where the nan began: it still waits for the others' posts.
+    board = DetectionBoard(store, 0, 2, WAIT_S)
+    result: list[Detection] = []
+    waiting = threading.Thread(
+        target=lambda: result.append(board.settle(Detection(3, 0, "train", "gradients"), wait=False)), daemon=True
+    )
+    waiting.start()
+    _wait_for_count(store, 1)
+    time.sleep(0.1)
+    DetectionBoard(store, 1, 2, WAIT_S).post(Detection(3, 1, "train", "frames"))
+    waiting.join(timeout=3 * WAIT_S)
+    assert result == [Detection(3, 1, "train", "frames")]
+
+
+def test_no_rank_waits_unboundedly_when_the_other_never_posts(store: Any) -> None:
+    # Rank 1 died (or waits in a collective): rank 0 decides alone after rank_wait_s, and a rank that saw nothing and
+    # hears nothing gives up after rank_wait_s too.
+    alone = Settling(DetectionBoard(store, 0, 2, 0.5), Detection(3, 0, "train", "gradients"))
+    alone.start()
+    alone.join(timeout=10)
+    assert alone.verdict == Detection(3, 0, "train", "gradients")
+    assert alone.took is not None
+    assert 0.5 <= alone.took < 5
+
+    other = HashStore()
+    silent = Settling(DetectionBoard(other, 1, 2, 0.5), None)
+    silent.start()
+    silent.join(timeout=10)
+    assert isinstance(silent.verdict, TimeoutError)
+    assert silent.took is not None
+    assert 0.5 <= silent.took < 5
