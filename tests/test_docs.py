@@ -33,23 +33,25 @@ Shown against printed: text exactly, numbers within a tolerance.
   (`2.13.0`).
 
 Why these bounds. The outputs come from real runs on one CPU; another CPU's kernels (vector width, summation order)
-round last digits otherwise. Over the few to few dozen training steps the docs run, abs maxes and losses differ
-between two CPUs by up to 2 % (`6.73e+02` against `6.64e+02`; `2.00e+06` against `2.04e+06` in a run since
-shortened), and one unit of the last printed digit alone is up to 1 %: 5 % takes those with room to spare and still
-fails a number 10 % off. An abs min is the value nearest zero, where rounding is absolute, not relative: every value
-of a tensor is off by about the rounding error of the terms that made it, so which value is nearest zero, and how
-near, changes from CPU to CPU (`1.33e-02` against `4.03e-02` in a float16 tensor whose abs max is `1.23e+03`;
-`6.02e-03` against `1.19e-02` in a LayerNorm bias of abs max `2.78e+00` after four SGD steps at a learning rate of
-10, seen between two CPUs). That error is bounded by the tensor's scale, its abs max, and the largest seen is 0.2 %
-of it: 5 % of it leaves room. A tensor that holds inf or nan has no known scale (`4.28e-01` against `8.69e-01`
-beside `inf`). A number near zero with no abs max beside it gets the floor of 1e-6 (float16's subnormals are 6e-8
-apart; a float32 sum of terms near 1 errs by about 1e-7).
+round last digits otherwise, and a training run carries those differences on. Between two CPUs, over the few steps
+the docs' runs take, abs maxes and losses differed by up to 2 % (`2.00e+06` against `2.04e+06`), and one unit of the
+last printed digit alone is up to 1 %: 5 % takes those with room to spare and still fails a number 10 % off. An abs
+min is the value nearest zero, where rounding is absolute, not relative: every value of a tensor is off by about the
+rounding error of the terms that made it, so which value is nearest zero, and how near, changes from CPU to CPU
+(`1.33e-02` against `4.03e-02` in a float16 tensor whose abs max is `1.23e+03`; `6.02e-03` against `1.19e-02` in a
+LayerNorm bias of abs max `2.78e+00`). That error is bounded by the tensor's scale, its abs max, and the largest
+seen was 0.2 % of it. A tensor that holds inf or nan has no known scale (`4.28e-01` against `8.69e-01` beside
+`inf`). A number near zero with no abs max beside it gets the floor of 1e-6 (float16's subnormals are 6e-8 apart; a
+float32 sum of terms near 1 errs by about 1e-7).
 
-A run that amplifies rounding (weights that grow over many steps until they overflow float32) is no example for a
-page: its numbers differ by more than any such bound from CPU to CPU. To see what another CPU would print, run this
-file with `ATEN_CPU_CAPABILITY=default MKL_CBWR=COMPATIBLE` in the environment (torch's and MKL's kernels for other
-CPUs). The tests at the end show the rule on real output: a page whose numbers all have their last digit changed
-passes; a wrong module, batch or a number 10 % off fails.
+A run that amplifies rounding is no example for a page, whatever the bound: the float32 run that replay.md showed
+(27 steps of weights growing to 1e22) printed numbers 14 % apart between two CPUs, and up to 2x apart under other
+kernels on one machine; the runs the pages show overflow within a few to a dozen optimizer steps. To see what
+another CPU would print, run this file with `ATEN_CPU_CAPABILITY=default` and `MKL_CBWR=COMPATIBLE` in the
+environment (torch's and MKL's kernels for other CPUs): it passes, and the runs' numbers move by at most 2.6 % there
+(the HF Trainer example; the others 1 % or less, an abs min judged on its abs max). The tests at the end show the
+rule on real output: a page whose numbers all have their last digit changed passes; a wrong module, batch or a
+number 10 % off fails.
 """
 
 from __future__ import annotations
