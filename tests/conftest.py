@@ -10,6 +10,15 @@ import pytest
 from nanwatch.core.log import get_logger
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The quick tier (`pytest -m "not slow"`) leaves out what takes seconds, not milliseconds: every test that runs
+    real processes (`multiprocess`) is slow, and so is each test marked `slow` where it is defined (a real framework's
+    example run, torch.compile, a subprocess, the docs), which a `--durations=0` run showed above 2.5 s."""
+    for item in items:
+        if item.get_closest_marker("multiprocess") is not None:
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture
 def nanwatch_log(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCaptureFixture]:
     """caplog for the `nanwatch` logger, which does not propagate to the root logger caplog listens on."""

@@ -5,8 +5,9 @@ Sybil (https://sybil.readthedocs.io) parses the Markdown; each document runs in 
 repository's examples/, benchmarks/, configs/ and tests/ linked in, and an empty docs/ for the plots), its blocks in
 order:
 
-- ```` ```python ````: executed in the document's namespace, from that folder; what it prints is kept for a
-  ```` ```console ```` block right after it that holds no `$` line.
+- ```` ```python ````: executed in the document's namespace, from that folder; what it prints, stdout and stderr
+  together as a terminal shows them (the `nanwatch` logger's lines, warnings under Python's default filters), is
+  kept for a ```` ```console ```` block right after it that holds no `$` line.
 - ```` ```python NAME ```` (or ```` ```yaml NAME ````, any language and a file name): written to NAME in that folder,
   for the commands that follow (`$ python train.py`).
 - ```` ```console ````: each `$ command` (a line ending in `\\` goes on) runs in bash in that folder, stdout and
@@ -14,11 +15,15 @@ order:
   `...` (or `[...]`) stands for any lines, `...` inside a line for any text on that line, and a last line
   `(exit N)` for the exit status; `$ echo $?` prints the status of the command before.
 - `<!-- skip: next "illustrative: why" -->` before a block: not run (Sybil's skip directive); the reason says why,
-  and a skipped console block that shows output names the test that runs that case (`tests/...py`).
+  and a skipped block that shows output (any line but a `$` command, in a block other than Python) names the
+  test that runs that case (`tests/...py`).
 - `<!-- invisible-code-block: python ... -->`: Python the reader does not need to see that sets up what a block
-  shows (a run whose files the block reads).
+  shows (a run whose files the block reads), or makes the run whose output the console block after it shows.
 
-A block that is neither run nor marked fails here, naming its file and line.
+Every block is run or marked illustrative, whatever its language: a block in ```` ``` ```` or ```` ```text ````
+that shows output is made a console block (after the Python block or the command that prints it) or marked. The
+one exception is a block whose language is bash, yaml, json or toml alone (NOT_RUN: what a reader types, a file's
+format): it is not run. A block that is neither run nor marked fails here, naming its file and line.
 
 Shown against printed: text exactly, numbers within a tolerance.
 
@@ -65,6 +70,7 @@ import re
 import subprocess
 import sys
 import unittest
+import warnings
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -88,6 +94,11 @@ def _sandbox(example: Example) -> Path:
     return folder
 
 
+# The blocks that must be run or marked: every fence but one whose language is one of these, alone (what a reader
+# types, a file's format). Plain ``` and ```text are not among them: output in them is run or marked like any other.
+NOT_RUN = ("bash", "yaml", "json", "toml")
+
+
 # ------------------------------------------------------------------------------------------------------ python
 
 
@@ -101,8 +112,33 @@ def _chdir(folder: str) -> Iterator[None]:
         os.chdir(previous)
 
 
+def _show_on_stderr(
+    message: Warning | str,
+    category: type[Warning],
+    filename: str,
+    lineno: int,
+    file: object = None,
+    line: str | None = None,
+) -> None:
+    sys.stderr.write(warnings.formatwarning(message, category, filename, lineno, line))
+
+
+@contextlib.contextmanager
+def _as_a_terminal_shows_it(printed: io.StringIO) -> Iterator[None]:
+    """stdout and stderr into `printed`, and warnings printed on stderr under Python's default filters (pytest
+    records them instead)."""
+    with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed), warnings.catch_warnings():
+        warnings.resetwarnings()
+        warnings.simplefilter("default")
+        for category in (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning):
+            warnings.simplefilter("ignore", category)
+        warnings.showwarning = _show_on_stderr
+        yield
+
+
 class _PythonInSandbox(PythonEvaluator):
-    """Sybil's Python evaluator, run from the document's folder (and importing from it), its stdout kept."""
+    """Sybil's Python evaluator, run from the document's folder (and importing from it), what it prints kept: stdout
+    and stderr together, as a terminal shows them (the `nanwatch` logger's lines and warnings included)."""
 
     def __call__(self, example: Example) -> None:
         folder = str(_sandbox(example))
@@ -110,7 +146,7 @@ class _PythonInSandbox(PythonEvaluator):
         before = set(sys.modules)
         sys.path.insert(0, folder)
         try:
-            with _chdir(folder), contextlib.redirect_stdout(printed):
+            with _chdir(folder), _as_a_terminal_shows_it(printed):
                 super().__call__(example)
         finally:
             sys.path.remove(folder)
@@ -148,6 +184,33 @@ class FileParser:
         path = _sandbox(example) / name
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text, encoding="utf-8")
+
+
+# ------------------------------------------------------------------------------------------------------ unrun
+
+
+class UnrunParser:
+    """A block that no parser above runs (```` ``` ````, ```` ```text ````, any other language but NOT_RUN's): it
+    fails unless a skip mark says why it is illustrative."""
+
+    _lexer = RawFencedCodeBlockLexer(info_pattern=re.compile(r"(?P<language>[^\n]*)$\n", re.M))
+
+    def __call__(self, document: Document) -> Iterable[Region]:
+        for region in self._lexer(document):
+            language = region.lexemes["language"].strip()
+            if language in ("python", "console", *NOT_RUN) or " " in language:  # run, not run, or a file block
+                continue
+            region.parsed = language
+            region.evaluator = self._unrun
+            yield region
+
+    @staticmethod
+    def _unrun(example: Example) -> None:
+        shown = f"```{example.parsed}" if example.parsed else "```"
+        raise AssertionError(
+            f"a {shown} block that nothing runs: show its output in a console block after what prints it, or mark "
+            'it <!-- skip: next "illustrative: why (tests/... that runs it)" -->'
+        )
 
 
 # ------------------------------------------------------------------------------------------------------ console
@@ -327,9 +390,28 @@ def _compared(example: Example, what: str, shown: list[str], printed: str, statu
 
 # ------------------------------------------------------------------------------------------------------ the test
 
-SYBIL = Sybil(parsers=[SkipParser(), FileParser(), PythonParser(), ConsoleParser()], path=str(REPO))
-# The blocks that must be run or marked: every fence whose language is python or console (a file block included).
-FENCES = re.compile(r"^[ \t]*```(?:python|console)\b", re.M)
+SYBIL = Sybil(parsers=[SkipParser(), FileParser(), PythonParser(), ConsoleParser(), UnrunParser()], path=str(REPO))
+FENCE = re.compile(r"^[ \t]*(?:[-*+][ \t]+)?```(?P<info>[^`\n]*)$", re.M)
+
+
+# A skip mark and the block right after it.
+SKIP_MARK = re.compile(
+    r"<!-- skip: (?P<mark>.*?) -->\n(?P<fence>[ \t]*```[^\n]*)\n(?P<body>.*?)^[ \t]*```$", re.M | re.S
+)
+
+
+def _fences_to_run(text: str) -> list[int]:
+    """Where each block that must be run or marked starts: every opening fence, but those of a NOT_RUN language."""
+    starts, inside = [], False
+    for found in FENCE.finditer(text):
+        info = found["info"].strip()
+        if inside:  # a closing fence has no info; anything else is text inside the block
+            inside = bool(info)
+            continue
+        inside = True
+        if info not in NOT_RUN:
+            starts.append(found.start())
+    return starts
 
 
 def _sandbox_for(tmp_path: Path) -> Path:
@@ -355,7 +437,7 @@ def _run_page(path: Path, where: object, folder: Path) -> tuple[Document, list[s
         except Exception as error:  # a block that raised, or whose output differs: all are reported together
             failures.append(f"{where}:{example.line}: {type(error).__name__}: {error}")
         handled.add(example.start)
-    fences = [match.start() for match in FENCES.finditer(document.text)]
+    fences = _fences_to_run(document.text)
     unhandled = [document.text.count("\n", 0, start) + 1 for start in fences if start not in handled]
     if unhandled:
         failures.append(f"{where}: blocks at lines {unhandled} are neither run nor marked illustrative")
@@ -363,6 +445,7 @@ def _run_page(path: Path, where: object, folder: Path) -> tuple[Document, list[s
 
 
 @pytest.mark.parametrize("path", DOCUMENTS, ids=lambda path: str(path.relative_to(REPO)))
+@pytest.mark.slow
 def test_every_block_runs_as_shown_or_is_marked_illustrative(path: Path, tmp_path: Path) -> None:
     _, failures = _run_page(path, path.relative_to(REPO), tmp_path)
     assert not failures, "\n\n".join(failures)
@@ -511,12 +594,12 @@ torch.manual_seed(0)
 model = nn.Sequential(collections.OrderedDict(up=nn.Linear(8, 8), act=nn.GELU(), down=nn.Linear(8, 8))).half()
 model.down.weight.data *= 1000
 try:
-    with nanwatch.watch(model, max_frames_to_save=4) as handle:
+    with nanwatch.watch(model, max_frames_to_save=4, headroom_warn_fraction=None) as handle:
         for batch in range(12):
             model(torch.randn(4, 8).half() * 2.0**batch)
             handle.step()
-except nanwatch.NonFiniteError as error:
-    print(error.report)
+except nanwatch.NonFiniteError:
+    pass  # the report: on stderr, from the nanwatch logger
 """
 
 
@@ -524,8 +607,8 @@ def test_a_report_printed_elsewhere_passes_and_a_wrong_module_batch_or_number_fa
     # A page whose Python block prints a real report, followed by that report as shown on five pages: as printed
     # here, as another CPU may print it, and with a wrong module, a number 10 % off, a wrong batch.
     printed = io.StringIO()
-    with contextlib.redirect_stdout(printed):
-        exec(compile(TINY_RUN, "tiny_run", "exec"), {})  # what the block prints, here
+    with _as_a_terminal_shows_it(printed):
+        exec(compile(TINY_RUN, "tiny_run", "exec"), {})  # what the block prints, here (the logger's lines too)
     report = printed.getvalue()
     assert "first non-finite value produced by down (Linear)" in report
     lines = report.splitlines()
@@ -554,6 +637,7 @@ def test_a_report_printed_elsewhere_passes_and_a_wrong_module_batch_or_number_fa
     assert outcomes == expected, "\n\n".join(failures)
 
 
+@pytest.mark.slow
 def test_the_readme_as_another_cpu_prints_it_passes_and_a_real_change_does_not(tmp_path: Path) -> None:
     # A copy of README.md whose shown outputs have every nonzero number's last digit one off, run as the test above
     # runs the page itself (the demo trains for real). Then the demo's real output against its shown lines changed
@@ -583,31 +667,68 @@ def test_the_readme_as_another_cpu_prints_it_passes_and_a_real_change_does_not(t
 
 # ------------------------------------------------------------------------------------------------------ skip marks
 
-SKIP_MARK = re.compile(
-    r"<!-- skip: (?P<mark>.*?) -->\n(?P<fence>[ \t]*```[^\n]*)\n(?P<body>.*?)^[ \t]*```$", re.M | re.S
-)
+
+def _skip_mark_problems(text: str, where: object) -> list[str]:
+    """A block is skipped only for a reason the page gives ("illustrative: why"). A skipped block that is neither
+    Python nor of a NOT_RUN language shows output if it holds a line that is not a `$ ` command (a console block's
+    output, any line of a ```text block): output no run here checks, so its reason names the test that runs the case
+    (a file under tests/)."""
+    problems = []
+    marks = list(SKIP_MARK.finditer(text))
+    if len(marks) != len(re.findall(r"^<!-- skip:", text, re.M)):
+        problems.append(f"{where}: a skip mark that is not right before a block")
+    for found in marks:
+        line = text.count("\n", 0, found.start()) + 1
+        reason = re.fullmatch(r'next "illustrative: (?P<why>[^"]+)"', found["mark"])
+        if reason is None:
+            problems.append(f'{where}:{line}: {found["mark"]!r} is not next "illustrative: why"')
+            continue
+        language = found["fence"].strip()[3:].partition(" ")[0]
+        shows_output = language not in ("python", *NOT_RUN) and any(
+            text.strip() and not text.strip().startswith("$ ") for text in found["body"].splitlines()
+        )
+        named = re.findall(r"tests/[\w/]+\.py", reason["why"])
+        if shows_output and not (named and all((REPO / test).is_file() for test in named)):
+            problems.append(f"{where}:{line}: a skipped block shows output; its reason names no test that runs it")
+    return problems
 
 
 def test_every_skip_mark_says_why_and_hides_no_output_that_nothing_checks() -> None:
-    # A block is skipped only for a reason the page gives ("illustrative: why"). A skipped console block that shows
-    # output is output no run here checks: its reason names the test that runs the case (a file under tests/).
-    problems = []
-    for path in DOCUMENTS:
-        text = path.read_text(encoding="utf-8")
-        where = path.relative_to(REPO)
-        marks = list(SKIP_MARK.finditer(text))
-        starts = len(re.findall(r"^<!-- skip:", text, re.M))
-        assert len(marks) == starts, f"{where}: a skip mark that is not right before a block"
-        for found in marks:
-            line = text.count("\n", 0, found.start()) + 1
-            reason = re.fullmatch(r'next "illustrative: (?P<why>[^"]+)"', found["mark"])
-            if reason is None:
-                problems.append(f'{where}:{line}: {found["mark"]!r} is not next "illustrative: why"')
-                continue
-            shows_output = found["fence"].strip() == "```console" and any(
-                not line.startswith("$ ") and line.strip() for line in found["body"].splitlines()
-            )
-            named = re.findall(r"tests/[\w/]+\.py", reason["why"])
-            if shows_output and not (named and all((REPO / test).is_file() for test in named)):
-                problems.append(f"{where}:{line}: a skipped block shows output; its reason names no test that runs it")
+    problems = [
+        problem
+        for path in DOCUMENTS
+        for problem in _skip_mark_problems(path.read_text(encoding="utf-8"), path.relative_to(REPO))
+    ]
     assert not problems, "\n".join(problems)
+
+
+def test_output_in_any_block_is_run_or_marked_and_a_marked_one_names_its_test(tmp_path: Path) -> None:
+    # The rule on a page: a plain or text block (in a list item too) that nothing runs fails, and so does a skipped
+    # one that shows output without naming a test; bash, yaml, json and toml blocks are not run.
+    page = tmp_path / "page.md"
+    page.write_text(
+        "```\nDetected inf/nan during batch_number=2\n```\n"  # 1: plain, unmarked
+        "```text\nnanwatch: numbers near their dtype's limits\n```\n"  # 4: text, unmarked
+        "- a list item:\n\n  ```\n  nanwatch: inf/nan gradients during batch_number=0\n  ```\n"  # 9: indented
+        "```bash\npip install nanwatch\n```\n"
+        "```yaml\nmax_frames_to_save: 3\n```\n"
+        '```json\n{"abs_max": "inf"}\n```\n'
+        "```toml\n[tool.nanwatch]\n```\n"
+        "```console\n$ echo checked\nchecked\n```\n"
+        '<!-- skip: next "illustrative: needs a GPU (tests/test_docs.py)" -->\n```text\nmarked, test named\n```\n'
+        '<!-- skip: next "illustrative: needs a GPU" -->\n```\nmarked, no test named\n```\n'  # 32
+        '<!-- skip: next "illustrative: a sketch" -->\n```python\nmodel = ...\n```\n',
+        encoding="utf-8",
+    )
+
+    _, failures = _run_page(page, "page.md", tmp_path / "sandbox")
+
+    assert [failure.partition(" that nothing runs")[0] for failure in failures] == [
+        "page.md:1: AssertionError: a ``` block",
+        "page.md:4: AssertionError: a ```text block",
+        "page.md:9: AssertionError: a ``` block",
+    ]
+    text = page.read_text(encoding="utf-8")
+    assert _skip_mark_problems(text, "page.md") == [
+        "page.md:32: a skipped block shows output; its reason names no test that runs it"
+    ]

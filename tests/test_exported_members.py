@@ -101,6 +101,7 @@ def test_package_ships_py_typed() -> None:
     assert (Path(nanwatch.__file__).parent / "py.typed").is_file()
 
 
+@pytest.mark.slow
 def test_import_nanwatch_imports_no_optional_framework() -> None:
     code = (
         "import sys\n"
@@ -114,6 +115,7 @@ def test_import_nanwatch_imports_no_optional_framework() -> None:
     assert result.stdout.strip() == "", f"import nanwatch imported {result.stdout.strip()}"
 
 
+@pytest.mark.slow
 def test_import_nanwatch_imports_no_torch_until_a_name_needs_it() -> None:
     code = (
         "import sys\n"

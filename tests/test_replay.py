@@ -160,6 +160,7 @@ def test_with_the_optimizer_guard_the_replay_matches_too(tmp_path: Path) -> None
 # -------------------------------------------------------------------------------------------------- replaying
 
 
+@pytest.mark.slow
 def test_cli_replay_gives_the_frames_of_the_original_report(captured: Captured, tmp_path: Path) -> None:
     out = tmp_path / "replayed"
     result = _cli(str(captured.replay_file), "--model", FACTORY, "--report-dir", str(out), "--max-frames-to-save", "8")
@@ -218,6 +219,7 @@ def test_replay_restores_the_generators_and_puts_the_callers_back(captured: Capt
     assert torch.equal(torch.rand(3), expected_next)
 
 
+@pytest.mark.slow
 def test_a_replay_with_another_dropout_mask_is_reported_as_different(captured: Captured, tmp_path: Path) -> None:
     data = torch.load(captured.replay_file, weights_only=True)
     data["rng"]["torch"] = torch.Generator().manual_seed(7).get_state()  # Dropout draws another mask
@@ -325,6 +327,7 @@ def test_a_bad_factory_is_named(captured: Captured, spec: str, expected: str) ->
         replay(captured.replay_file, spec)
 
 
+@pytest.mark.slow
 def test_cli_typo_in_the_module_path(captured: Captured) -> None:
     cli = _cli(str(captured.replay_file), "--model", "tests.replay_modls:factory")
     assert cli.returncode == 2

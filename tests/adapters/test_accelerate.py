@@ -197,6 +197,7 @@ def test_bad_config_and_double_attach_are_refused() -> None:
     assert hooks_left(model, optimizer) == []
 
 
+@pytest.mark.slow
 def test_accelerate_is_imported_only_by_the_adapter_and_its_absence_names_the_extra() -> None:
     code = (
         "import sys\n"
@@ -263,6 +264,7 @@ def test_two_ranks_stop_together_and_rank_one_reports(tmp_path: Path) -> None:
     assert (data["rank"], data["batch_number"]) == (1, 3)
 
 
+@pytest.mark.slow
 def test_example_overflows_and_reports(tmp_path: Path) -> None:
     done = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "accelerate_loop.py"), "--report-dir", str(tmp_path)],

@@ -167,6 +167,7 @@ def test_a_bad_override_names_the_field() -> None:
         OverflowTrainerCallback(max_frames=3)
 
 
+@pytest.mark.slow
 def test_without_transformers_constructing_says_what_to_install() -> None:
     code = (
         "import sys\n"
@@ -219,6 +220,7 @@ def test_two_processes_under_torchrun_stop_together(tmp_path: Path) -> None:
     assert "Detected inf/nan during batch_number=3 on rank 1" in result.stderr
 
 
+@pytest.mark.slow
 def test_the_example_overflows_in_float16_and_shows_the_report(tmp_path: Path) -> None:
     config = tmp_path / "nanwatch.yaml"
     config.write_text(f"max_frames_to_save: 6\nreport_dir: {tmp_path / 'reports'}\n", encoding="utf-8")

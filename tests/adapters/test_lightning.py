@@ -236,6 +236,7 @@ def test_config_forms(tmp_path: Path) -> None:
         OverflowCallback(max_frame_to_save=3)
 
 
+@pytest.mark.slow
 def test_lightning_is_imported_only_when_used_and_its_absence_is_explained() -> None:
     code = """
 import sys
@@ -303,6 +304,7 @@ def test_ddp_rank_1_detects_and_every_rank_stops(tmp_path: Path) -> None:
     assert "Detected inf/nan during batch_number=3 on rank 1" in log
 
 
+@pytest.mark.slow
 def test_example_overflows_in_float16_and_shows_the_report(tmp_path: Path) -> None:
     example = REPO / "examples" / "lightning_fp16.py"
     command = [sys.executable, str(example), "--report-dir", str(tmp_path), "--max-frames-to-save", "9"]

@@ -153,6 +153,7 @@ def test_a_handle_dropped_without_close_is_freed_with_its_model() -> None:
 
 
 @pytest.mark.parametrize("stopped", [False, True], ids=["watching", "stopped by a bug of its own"])
+@pytest.mark.slow
 def test_a_handle_never_closed_leaves_no_error_at_interpreter_exit(stopped: bool) -> None:
     # The end of a script (or a notebook kernel) that never closed its handle: what nanwatch holds goes quietly,
     # whether it was still watching or had stopped itself (a failure in measuring: the run goes on).

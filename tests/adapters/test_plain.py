@@ -882,6 +882,7 @@ def test_a_batch_with_only_eval_forwards_is_said_to_have_none_in_training_mode(m
     assert "no forward of the watched model ran in training mode" in message
 
 
+@pytest.mark.slow
 def test_each_warning_is_printed_once(tmp_path: Path) -> None:
     # Before, every NanwatchWarning was printed twice on stderr: by the nanwatch logger and by Python's warnings.
     # A handler the user adds to the nanwatch logger still gets it (the second run: one writing to stdout).

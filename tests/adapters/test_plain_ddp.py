@@ -65,6 +65,7 @@ def test_an_evaluation_on_rank_0_only_leaves_the_ranks_collectives_in_step(tmp_p
     assert [(o["batch_number"], o["eval_batch_number"]) for o in outcomes] == [(6, 6), (6, 0)]
 
 
+@pytest.mark.slow
 def test_the_plain_loop_example_overflows_in_float16_and_shows_the_report(tmp_path: Path) -> None:
     config = tmp_path / "nanwatch.json"
     config.write_text(json.dumps({"max_frames_to_save": 5, "report_dir": str(tmp_path / "reports")}), encoding="utf-8")

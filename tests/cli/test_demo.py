@@ -33,6 +33,7 @@ def test_no_command_is_one_error_line() -> None:
     )
 
 
+@pytest.mark.slow
 def test_demo_overflows_for_real_and_reports(tmp_path: Path) -> None:
     result = subprocess.run(
         [sys.executable, "-m", "nanwatch", "demo", "--report-dir", str(tmp_path)],
@@ -96,6 +97,7 @@ def test_demo_stopped_early_by_abort_after_batch_num_says_so(capsys: pytest.Capt
     assert "stopped after batch_number=0, as abort_after_batch_num asked; no inf/nan yet" in out
 
 
+@pytest.mark.slow
 def test_a_users_first_five_minutes_print_no_traceback(tmp_path: Path) -> None:
     """The demo, a typo'd config, show on the wrong file of the report dir, plot to PDF: each as a user types it."""
 

@@ -77,6 +77,7 @@ def test_plot_does_not_import_torch(run_dir: Path, tmp_path: Path) -> None:
     assert png.read_bytes().startswith(b"\x89PNG")
 
 
+@pytest.mark.slow
 def test_the_probe_sees_a_command_that_imports_torch() -> None:
     # `demo` trains a model: it must import torch, and the probe must say so.
     result = _probe("demo", "--steps", "0")

@@ -399,6 +399,7 @@ def test_the_format_follows_the_extension(tmp_path: Path, capsys: pytest.Capture
     assert (tmp_path / "heatmap").read_bytes().startswith(b"%PDF")
 
 
+@pytest.mark.slow
 def test_dash_writes_the_image_to_stdout_or_refuses_a_terminal(tmp_path: Path) -> None:
     run_amp_net(tmp_path, overflow_at=None, batches=2)
     argv = [sys.executable, "-m", "nanwatch", "plot", str(trace_path(tmp_path)), "-o", "-"]
@@ -498,6 +499,7 @@ def test_smallest_normals_are_torchs() -> None:
 # --kind lines: the modules closest to the dtype's max, over the batches
 
 
+@pytest.mark.slow
 def test_lines_show_the_modules_closest_to_the_max(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     run_amp_net(tmp_path, overflow_at=2, batches=3)
     trace = str(trace_path(tmp_path))

@@ -108,6 +108,7 @@ def _eager_frames(batches: int) -> list[ResolvedFrame]:
 
 
 @pytest.mark.parametrize("order", ORDERS)
+@pytest.mark.slow
 def test_watching_adds_no_graph_break_and_records_what_eager_mode_records(order: str) -> None:
     x, scale = _batch(0), torch.full((), 0.5)
     baseline = _graphs(_net(), x, scale=scale)
@@ -149,6 +150,7 @@ def test_watching_adds_no_graph_break_and_records_what_eager_mode_records(order:
 
 
 @pytest.mark.parametrize("order", ORDERS)
+@pytest.mark.slow
 def test_a_nan_in_a_compiled_forward_is_reported_at_its_batch(order: str) -> None:
     model = _net()
     compiled, handle = ORDERS[order](model, "aot_eager")
@@ -172,6 +174,7 @@ def test_a_nan_in_a_compiled_forward_is_reported_at_its_batch(order: str) -> Non
     assert "                  embed Linear" in error.report
 
 
+@pytest.mark.slow
 def test_dynamic_shapes_are_reported_with_their_sizes() -> None:
     model = _net()
     compiled, handle = watch_then_compile(model, "aot_eager")
@@ -185,6 +188,7 @@ def test_dynamic_shapes_are_reported_with_their_sizes() -> None:
     assert [e.shape for e in last[0].entries] == [(16, 8), (16,), (7, 8), (7, 16)]  # embed: weight, bias, in, out
 
 
+@pytest.mark.slow
 def test_a_torch_nn_container_compiled_whole_runs_the_adapter_hooks_outside_the_graph() -> None:
     # torch.compile(nn.Sequential) traces the root's hooks too, the plain adapter's included: they must still count
     # eval batches and check each as it returns.
@@ -207,6 +211,7 @@ def test_a_torch_nn_container_compiled_whole_runs_the_adapter_hooks_outside_the_
     assert caught.value.module_name == "0"
 
 
+@pytest.mark.slow
 def test_watching_a_model_that_already_ran_compiled_recompiles_it_with_the_hooks() -> None:
     model = _net()
     compiled = torch.compile(model, backend="aot_eager")
@@ -262,6 +267,7 @@ class NanBornInBackward(nn.Module):
         return self.fc2(self.fault(h) if self.armed else h)
 
 
+@pytest.mark.slow
 def test_watch_gradients_keeps_the_graph_whole_and_reports_a_backward_nan_at_its_parameter(
     nanwatch_log: pytest.LogCaptureFixture,
 ) -> None:
@@ -289,6 +295,7 @@ def test_watch_gradients_keeps_the_graph_whole_and_reports_a_backward_nan_at_its
     assert len(said) == 1, said  # once, not at every batch
 
 
+@pytest.mark.slow
 def test_a_transformers_model_gets_no_graph_break_of_nanwatch() -> None:
     # Watched, a transformers model compiles to the graphs it compiles to unwatched (a one-layer GPT-2: tracing
     # takes seconds per layer on a small CPU).

@@ -9,6 +9,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 # Watches a model for one batch, then asks for the summary, which nanwatch logs at INFO.
 _RUN = """
 import logging
@@ -34,6 +36,7 @@ def _run(before: str) -> subprocess.CompletedProcess[str]:
     return result
 
 
+@pytest.mark.slow
 def test_a_level_set_before_nanwatch_first_logs_is_kept() -> None:
     # Before: get_logger() set INFO over it the first time, and the summary was printed anyway.
     result = _run('logging.getLogger("nanwatch").setLevel(logging.WARNING)')
@@ -42,6 +45,7 @@ def test_a_level_set_before_nanwatch_first_logs_is_kept() -> None:
     assert "a warning still shows" in result.stderr  # nanwatch's stderr handler is there all the same
 
 
+@pytest.mark.slow
 def test_with_no_level_set_info_lines_are_shown_on_stderr() -> None:
     # The other side of the test above: the same run with no level of the user's prints the summary.
     result = _run("")

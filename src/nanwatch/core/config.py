@@ -147,13 +147,14 @@ class WatchConfig(BaseModel):
     )
     pause_gc: bool = Field(
         True,
-        description="Full mode: pause Python's automatic garbage collection (gc.disable) from the start of each "
-        "watched micro-batch until it is checked, so the frames it records are freed before a collection walks them "
-        "(they would otherwise reach the collector's oldest generation, whose full passes over every object of the "
-        "process add several % to a step of a model of many small modules). Reference counting frees "
-        "everything as usual; only garbage in reference cycles waits until the micro-batch ends. A pause that no "
-        "micro-batch renews for 30 s (a loop abandoned mid-batch) ends by itself. A collector already disabled is "
-        "left alone. False: nanwatch never touches the collector.",
+        description="Full mode: pause Python's automatic garbage collection (the youngest generation's threshold set "
+        "to 0) from the start of each watched micro-batch until it is checked, so the frames it records are freed "
+        "before a collection walks them (they would otherwise reach the collector's oldest generation, whose full "
+        "passes over every object of the process add several % to a step of a model of many small modules). "
+        "Reference counting frees everything as usual; only garbage in reference cycles waits until the micro-batch "
+        "ends. The thresholds are put back at the check (thresholds you set meanwhile stay), and a pause that no "
+        "micro-batch renews for 30 s (a loop abandoned mid-batch) ends by itself. gc.disable(), gc.enable() and "
+        "gc.isenabled() stay yours: nanwatch never calls them. False: nanwatch never touches the collector.",
     )
 
     if not TYPE_CHECKING:  # type checkers keep the signature pydantic's plugin gives: one argument per field

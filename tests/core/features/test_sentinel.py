@@ -12,6 +12,7 @@ from __future__ import annotations
 import gc
 import json
 import random
+import warnings
 import weakref
 from collections.abc import Iterator
 from pathlib import Path
@@ -257,6 +258,7 @@ def test_fp16_autocast_with_a_grad_scaler_replays_under_the_same_autocast(tmp_pa
 # ------------------------------------------------------------------------------ memory
 
 
+@pytest.mark.slow
 def test_only_the_current_windows_inputs_are_kept() -> None:
     torch.manual_seed(0)
     model = nn.Linear(4, 4)
@@ -433,6 +435,7 @@ def test_a_replay_that_raises_keeps_the_detection_and_adds_its_error(tmp_path: P
 # ------------------------------------------------------------------------------ torch.compile
 
 
+@pytest.mark.slow
 def test_a_compiled_model_is_watched_outside_its_graph_and_replayed_eagerly(tmp_path: Path) -> None:
     import torch._dynamo
     from torch._dynamo.utils import counters
@@ -464,3 +467,19 @@ def test_a_compiled_model_is_watched_outside_its_graph_and_replayed_eagerly(tmp_
     assert "OptimizedModule" not in error.report
     assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
     assert [frame["module"] for frame in _report_frames(tmp_path, 3)] == ["0"]
+
+
+class RaisesInForward(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise KeyError("the user's own error")
+
+
+def test_a_forward_that_raises_is_not_said_to_return_an_unreadable_output() -> None:
+    # The sentinel's always-called hook also runs when the forward raised, with output None: the user's error is what
+    # they see, with no word of an output that was never returned (and no warning torch has to silence).
+    model = RaisesInForward()
+    with warnings.catch_warnings(record=True) as caught, nanwatch.watch(model, mode="sentinel"):
+        warnings.simplefilter("always")
+        with pytest.raises(KeyError, match="the user's own error"):
+            model(torch.ones(2))
+    assert [str(w.message) for w in caught] == []

@@ -233,6 +233,7 @@ class Three(torch.nn.Module):
 PENDING_CAP, SUMMARY_CAP = 20_000, 8192
 
 
+@pytest.mark.slow
 def test_a_batch_that_never_ends_holds_a_bounded_number_of_frames_and_its_summary_stays_exact() -> None:
     # Before: 100_000 frames could be pending and the summary held every frame of the batch.
     model = Three()

@@ -49,6 +49,7 @@ print(json.dumps({
 """
 
 
+@pytest.mark.slow
 def test_a_full_disk_stops_the_trace_files_and_the_watching_goes_on(tmp_path: Path) -> None:
     result = subprocess.run(
         [sys.executable, "-c", _FULL_DISK, str(tmp_path)], capture_output=True, text=True, timeout=120, check=False

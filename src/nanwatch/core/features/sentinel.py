@@ -23,6 +23,7 @@ the generators end as they were; a replay that fails adds its error to the repor
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -179,7 +180,10 @@ class SentinelFeature(Feature):
         call = self._window[-1].calls[-1] if training and self._window and self._window[-1].calls else None
         batch = ctx.batch_number if training else ctx.current_batch
         leaves = list(_float_leaves(output))
-        if not leaves and not self._said_unreadable:
+        # An always-called hook also runs when the forward raised (with output None): that is no unreadable output,
+        # and the user's own exception is what they must see.
+        forward_raised = output is None and sys.exc_info()[1] is not None
+        if not leaves and not forward_raised and not self._said_unreadable:
             self._said_unreadable = True
             warn(_unreadable(module, output, guarded=ctx.guarded))
         for label, leaf in leaves:
