@@ -80,7 +80,8 @@ class EngineContext(Protocol):
 
     @property
     def frames_finite(self) -> bool:
-        """In `review`: whether every frame of this check is finite (the feature's own flags tripped alone)."""
+        """In `review`: whether the micro-batch's forward was recorded and every frame of this check is finite (the
+        feature's own flags tripped alone)."""
 
     @property
     def optimizer_step(self) -> int | None: ...

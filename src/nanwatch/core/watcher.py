@@ -30,7 +30,7 @@ from nanwatch.core.compiler import (
 from nanwatch.core.config import WatchConfig
 from nanwatch.core.events import EngineContext, Feature, OptimizerStage, Phase
 from nanwatch.core.features import features_for
-from nanwatch.core.features.guard import backward_note, first_gradient
+from nanwatch.core.features.guard import born_in_backward, first_gradient
 from nanwatch.core.features.headroom import HeadroomMonitor
 from nanwatch.core.features.loss_scale import GradScalerLike, LossScaleFeature, LossScaleMonitor
 from nanwatch.core.features.summary import Summary, SummaryFeature
@@ -675,7 +675,9 @@ class Watcher:
         if pending and not self._batch_recorded:
             self._batch_recorded = any(frame.module_name != "(loss)" for frame in pending)
         non_finite, tripped = self._screen(pending, features=True)
-        self._frames_finite = not non_finite
+        # Only a micro-batch whose forward was recorded can say its forward was finite (not one that
+        # watch_every_n_batches or include_modules left unwatched, nor one whose hooks are gone).
+        self._frames_finite = not non_finite and self._batch_recorded
         found = None
         for feature in tripped:  # a feature's own flag: it reads what it needs, warns, or reports (the guard)
             if non_finite and not feature.detects:
@@ -899,8 +901,9 @@ class Watcher:
         gradient = first_gradient(mine) if mine is not None and _kind(mine) == "gradients" else None
         if gradient is not None:  # no frame held it: the module named is only where the first bad gradient is
             first = f" in the gradients about to be applied (first: {gradient!r})"
-            if self.config.mode == "full":
-                first += f"; {backward_note(self.config.watch_gradients)}"
+            note = born_in_backward(mine) if mine is not None else None
+            if note is not None:  # the guard found every forward value of this micro-batch finite
+                first += f"; {note}"
         else:
             first = f", first in module {module_name!r}" if module_name is not None else ""
         if culprit is not None:

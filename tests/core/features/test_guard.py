@@ -62,6 +62,32 @@ def test_a_nan_born_in_backward_is_said_to_be_born_there_not_in_the_first_module
     assert error.report.index("non-finite gradients about to be applied") < error.report.index("Every forward value")
 
 
+def test_a_micro_batch_that_was_not_watched_is_not_said_to_have_a_finite_forward() -> None:
+    # watch_every_n_batches=10 leaves batch 1 unwatched: its forward was never recorded, so nothing can say it was
+    # finite; the guard still stops the step, naming the gradients only.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with watch(model, optimizer=optimizer, watch_every_n_batches=10) as handle:
+        for batch in range(2):
+            loss = model(torch.ones(2, 3)).sum()
+            (loss * float("inf") if batch == 1 else loss).backward()
+            if batch == 1:
+                with pytest.raises(NonFiniteError) as info:
+                    optimizer.step()
+                break
+            optimizer.step()
+            optimizer.zero_grad()
+            handle.step()
+        handle.close()
+    error = info.value
+    assert error.batch_number == 1
+    assert "in the gradients about to be applied (first: '0.weight')" in str(error)
+    assert "finite" not in str(error)
+    assert "non-finite gradients about to be applied" in error.report
+    assert "every forward value" not in error.report.lower()
+
+
 def test_a_nan_made_after_backward_is_not_said_to_need_watch_gradients() -> None:
     # With watch_gradients the backward frames are finite too: the gradients went non-finite after the backward.
     model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))

@@ -128,6 +128,20 @@ def backward_note(watch_gradients: bool) -> str:
     )
 
 
+def born_in_backward(report: Report) -> str | None:
+    """The note the guard added to a detection whose micro-batch was recorded and finite in every forward value
+    (`backward_note`), or None when it added none (an unwatched micro-batch, sentinel mode, a frame with inf/nan)."""
+    section = report.section("gradients")
+    if section is None:
+        return None
+    for line in section.lines:
+        for watch_gradients in (False, True):
+            note = backward_note(watch_gradients)
+            if line == note[0].upper() + note[1:] + ".":
+                return note
+    return None
+
+
 def first_gradient(report: Report) -> str | None:
     """The name of the first non-finite gradient of a detection the guard made, or None for any other report."""
     section = report.section("gradients")
