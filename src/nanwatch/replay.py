@@ -24,7 +24,7 @@ from nanwatch.core.config import WatchConfig
 from nanwatch.core.features.culprit import culprit_section, find_culprit
 from nanwatch.core.formats.files import atomic_write
 from nanwatch.core.formats.replay_file import load_replay_file
-from nanwatch.core.frames import ResolvedFrame, resolve
+from nanwatch.core.frames import ResolvedFrame, counter_name, resolve
 from nanwatch.core.report import MODULE_INDENT, TABLE_HEADER, Report, format_frame
 from nanwatch.core.runstate import (
     capture_rng_states,
@@ -236,7 +236,7 @@ class ReplayResult:
 
     @property
     def counter(self) -> str:
-        return "batch_number" if self.phase == "train" else f"{self.phase}_batch_number"
+        return counter_name(self.phase)
 
     def trace_text(self) -> str:
         """Every frame of the replayed forward in transformers' format, under a batch header as tracing prints."""

@@ -27,6 +27,7 @@ import torch  # noqa: E402
 from accelerate import Accelerator  # noqa: E402
 from accelerate.utils import GradScalerKwargs  # noqa: E402
 from tests.backward_faults import InfInBackward  # noqa: E402
+from tests.engine_helpers import loss_scale
 from torch import nn  # noqa: E402
 
 from nanwatch import LossScaleBelowFloor, NonFiniteError  # noqa: E402
@@ -105,7 +106,7 @@ def test_fp16_on_the_cpu_gets_no_scaler_from_accelerate_and_nothing_is_excused()
     model, optimizer = accelerator.prepare(nn.Sequential(nn.Linear(4, 4), InfInBackward()), None)
     tracker.attach(accelerator, model)
     assert tracker.watcher is not None
-    assert tracker.watcher.loss_scale is None
+    assert loss_scale(tracker.watcher) is None
     accelerator.backward(model(torch.ones(1, 4)).sum())
     with pytest.raises(NonFiniteError) as info:  # without a scaler an inf gradient is fatal
         model(torch.ones(1, 4))  # the next micro-batch's forward checks the previous one
@@ -140,8 +141,8 @@ def test_an_overflow_on_a_step_the_scaler_skips_is_recorded_and_training_goes_on
     assert not torch.equal(weights[accumulation], weights[2 * accumulation])
     watcher = tracker.watcher
     assert watcher is not None
-    assert watcher.loss_scale is not None
-    history = watcher.loss_scale.history()
+    assert loss_scale(watcher) is not None
+    history = loss_scale(watcher).history()
     last_of_first_window = accumulation - 1
     assert [(r.batch_number, r.scale) for r in history.records] == [
         (0, init_scale),
@@ -149,8 +150,8 @@ def test_an_overflow_on_a_step_the_scaler_skips_is_recorded_and_training_goes_on
     ]
     assert history.skipped_steps == 1
     assert history.gradient_overflows == accumulation  # every micro-batch of the skipped window
-    assert [o.skipped for o in watcher.loss_scale.overflows] == [True] * accumulation
-    assert watcher.loss_scale.overflows[0].report.module_name == ""  # the root Linear's bias gradient
+    assert [o.skipped for o in loss_scale(watcher).overflows] == [True] * accumulation
+    assert loss_scale(watcher).overflows[0].report.module_name == ""  # the root Linear's bias gradient
     # A plain optimizer's step never runs on a skipped step; a fused one runs (and applies nothing).
     assert watcher.optimizer_step == (3 if fused_adam else 2)
     assert watcher.batch_number == 3 * accumulation - 1  # the last micro-batch ended at detach

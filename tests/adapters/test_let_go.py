@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+from tests.engine_helpers import fail_internally
 from torch import nn
 
 import nanwatch
@@ -125,7 +126,7 @@ def test_a_watcher_that_stopped_on_an_internal_failure_lets_the_model_go_at_clos
     model(torch.randn(5, 3)).sum().backward()
     optimizer.step()
     with pytest.warns(nanwatch.NanwatchWarning, match="stopped watching"):
-        handle.watcher._disable("a bug of ours, say")
+        fail_internally(handle.watcher, "a bug of ours, say")
     handle.close()
     assert holding(handle, model) == []
 

@@ -16,6 +16,7 @@ import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
 from lightning.pytorch.plugins import MixedPrecision  # noqa: E402
 from tests.backward_faults import InfInBackward  # noqa: E402
+from tests.engine_helpers import loss_scale
 from torch import nn  # noqa: E402
 
 from nanwatch import LossScaleBelowFloor, NonFiniteError  # noqa: E402
@@ -63,7 +64,7 @@ def test_the_precision_plugins_scaler_is_followed_and_a_skipped_overflow_goes_on
     class Spy(pl.Callback):
         def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
             assert callback.watcher is not None
-            monitor = callback.watcher.loss_scale
+            monitor = loss_scale(callback.watcher)
             assert monitor is not None
             seen["history"] = monitor.history()
             seen["overflows"] = list(monitor.overflows)

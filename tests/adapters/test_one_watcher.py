@@ -8,6 +8,7 @@ import math
 import subprocess
 import sys
 import weakref
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,6 +28,9 @@ class Scale(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x * self.factor
+
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _model() -> nn.Sequential:
@@ -167,7 +171,9 @@ def test_a_handle_never_closed_leaves_no_error_at_interpreter_exit(stopped: bool
         # What the engine does when its own bookkeeping fails, called where the script runs: its warning keeps the
         # watcher until the interpreter's last clean-up, where a weakref.WeakMethod's callback used to raise.
         f"if {stopped}:\n"
-        "    handle.watcher._disable('a bug in nanwatch')\n"
+        f"    import sys; sys.path.insert(0, {str(REPO)!r})\n"
+        "    from tests.engine_helpers import fail_internally\n"
+        "    fail_internally(handle.watcher, 'a bug in nanwatch')\n"
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 0, done.stderr

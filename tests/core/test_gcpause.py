@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 import nanwatch
+import nanwatch.core.engine.recorder
 import nanwatch.core.gcpause
-import nanwatch.core.watcher
 from nanwatch import NonFiniteError
 from nanwatch.core.gcpause import collection_paused, pause_collection, resume_collection
 
@@ -244,7 +244,7 @@ def test_pause_gc_false_and_sentinel_mode_leave_the_collector_alone(overrides: d
 
 
 def test_a_loop_that_never_ends_its_micro_batch_gets_the_collector_back(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(nanwatch.core.watcher, "_MAX_PENDING_FRAMES", 20)
+    monkeypatch.setattr(nanwatch.core.engine.recorder, "MAX_PENDING_FRAMES", 20)
     model = _model()
     seen = []
     with nanwatch.watch(model):  # step() never called: one micro-batch that goes on and on

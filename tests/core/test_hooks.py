@@ -43,7 +43,7 @@ def test_hookset_removes_every_hook_it_added() -> None:
     hooks = HookSet()
     for _, module in named_unique_modules(model):
         hooks.add_forward(module, hook)
-    hooks.add_forward_pre(model, pre_hook)
+    hooks.add_handle(model.register_forward_pre_hook(pre_hook))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     hooks.add_handle(optimizer.register_step_pre_hook(lambda *args: None))
     assert len(hooks) == 8

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+from tests.engine_helpers import use_board
 from torch import nn
 from torch._C._distributed_c10d import HashStore
 
@@ -77,7 +78,7 @@ def test_the_rank_whose_frames_hold_the_inf_is_named_even_when_the_gradients_ran
     blowup = Blowup()
     model = nn.Sequential(nn.Linear(4, 4), blowup, nn.Linear(4, 2))
     watcher = Watcher(model, WatchConfig(rank_wait_s=WAIT_S), rank=1, world_size=2)
-    watcher._board = DetectionBoard(store, 1, 2, WAIT_S)  # what DetectionBoard.for_this_run gives in a real run
+    use_board(watcher, DetectionBoard(store, 1, 2, WAIT_S))  # what DetectionBoard.for_this_run gives in a real run
     watcher.on_optimizer_step("guarded")
     watcher.attach()
     for _ in range(3):  # micro-batches 0-2: clean
@@ -112,7 +113,7 @@ def test_a_held_detection_is_posted_when_another_rank_posts_first(store: Any) ->
     blowup = Blowup()
     model = nn.Sequential(nn.Linear(4, 4), blowup, nn.Linear(4, 2))
     watcher = Watcher(model, WatchConfig(rank_wait_s=WAIT_S), rank=1, world_size=2)
-    watcher._board = DetectionBoard(store, 1, 2, WAIT_S)
+    use_board(watcher, DetectionBoard(store, 1, 2, WAIT_S))
     watcher.on_optimizer_step("guarded")
     watcher.attach()
     for _ in range(2):

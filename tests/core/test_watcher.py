@@ -10,11 +10,13 @@ import pytest
 import torch
 from torch import nn
 
+import nanwatch.core.engine.checker
+import nanwatch.core.engine.publisher
+import nanwatch.core.engine.recorder
 import nanwatch.core.features.headroom
 import nanwatch.core.report
 import nanwatch.core.scope
 import nanwatch.core.stats.measure
-import nanwatch.core.watcher
 from nanwatch import BatchLimitReached, ConfigError, NanwatchWarning, NonFiniteError, WatchConfig
 from nanwatch.core.frames import ResolvedFrame, resolve
 from nanwatch.core.watcher import Watcher
@@ -276,11 +278,11 @@ def test_eval_phase_is_recorded_only_with_watch_eval_and_counted_apart() -> None
 
 def test_state_dict_round_trip_restores_counters_and_tracing() -> None:
     watcher = Watcher(_model(), WatchConfig(trace_batch_nums=[5]))
-    watcher.batch_number, watcher.eval_batch_number, watcher.optimizer_step, watcher.epoch = 5, 2, 4, 1
+    watcher.load_state_dict({"batch_number": 5, "eval_batch_number": 2, "optimizer_step": 4, "epoch": 1})
     restored = Watcher(_model(), WatchConfig(trace_batch_nums=[5]))
     restored.load_state_dict(watcher.state_dict())
     assert restored.state_dict() == {"batch_number": 5, "eval_batch_number": 2, "optimizer_step": 4, "epoch": 1}
-    assert restored._tracing  # batch 5 is traced, so resuming at 5 traces it
+    assert restored.tracing  # batch 5 is traced, so resuming at 5 traces it
 
 
 def test_trace_ranks_choose_who_traces(nanwatch_log: pytest.LogCaptureFixture) -> None:
@@ -430,7 +432,7 @@ def test_weights_changed_between_train_and_eval_are_remeasured() -> None:
 
 
 def test_pending_frames_stay_bounded_when_batches_never_end(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(nanwatch.core.watcher, "_MAX_PENDING_FRAMES", 20)
+    monkeypatch.setattr(nanwatch.core.engine.recorder, "MAX_PENDING_FRAMES", 20)
     model = _model()
     watcher = Watcher(model, WatchConfig(max_frames_to_save=7))
     watcher.attach()
@@ -484,7 +486,7 @@ def test_a_failure_in_checking_disables_watching(monkeypatch: pytest.MonkeyPatch
 
     # The batch check's one read, or with headroom checks on (the default) the feature's flags in that read.
     if headroom is None:
-        monkeypatch.setattr(nanwatch.core.watcher, "read_flags", broken)
+        monkeypatch.setattr(nanwatch.core.engine.checker, "read_flags", broken)
     else:
         monkeypatch.setattr(nanwatch.core.features.headroom.HeadroomMonitor, "screen", broken)
     with pytest.warns(NanwatchWarning, match="simulated check bug"):
@@ -529,7 +531,7 @@ def test_a_bug_on_the_publish_path_still_ends_in_the_error_with_its_report(
     if broken == "to_text":
         monkeypatch.setattr(nanwatch.core.report.Report, "to_text", bug)
     else:
-        monkeypatch.setattr(nanwatch.core.watcher, "write_report", bug)
+        monkeypatch.setattr(nanwatch.core.engine.publisher, "write_report", bug)
     model = nn.Sequential(Scale(math.inf))
     watcher = Watcher(model, WatchConfig(report_dir=tmp_path))
     watcher.attach()

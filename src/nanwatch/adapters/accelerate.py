@@ -26,8 +26,7 @@ from nanwatch.adapters._common import (
     watch_loss_of,
 )
 from nanwatch.core.config import WatchConfig, resolve_config
-from nanwatch.core.features.loss_scale import scaler_of
-from nanwatch.core.features.summary import Summary
+from nanwatch.core.readouts import Summary, scaler_of
 from nanwatch.core.watcher import Watcher
 
 _IMPORT_ERROR: ImportError | None = None

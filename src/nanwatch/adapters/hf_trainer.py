@@ -19,8 +19,7 @@ import torch
 
 from nanwatch.adapters._common import add_phase_hook, close_when_forward_raises, guard_optimizers, unwrap_model
 from nanwatch.core.config import WatchConfig, resolve_config
-from nanwatch.core.features.loss_scale import LossScaleHistory, scaler_of
-from nanwatch.core.features.summary import Summary
+from nanwatch.core.readouts import LOSS_SCALE_HISTORY, LossScaleHistory, Summary, scaler_of
 from nanwatch.core.watcher import Watcher
 
 try:
@@ -106,8 +105,7 @@ class OverflowTrainerCallback(TrainerCallback):  # type: ignore[misc,unused-igno
         """Remove every hook nanwatch put on the model (safe to call more than once)."""
         watcher, self.watcher = self.watcher, None
         if watcher is not None:
-            if watcher.loss_scale is not None:
-                self.loss_scale = watcher.loss_scale.history()
+            self.loss_scale = watcher.read(LOSS_SCALE_HISTORY) or self.loss_scale
             watcher.close(check=check)
 
     def _before_top_forward(self, module: torch.nn.Module, args: tuple[Any, ...]) -> None:

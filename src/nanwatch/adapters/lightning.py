@@ -16,10 +16,9 @@ from torch import Tensor
 
 from nanwatch.adapters._common import guard_optimizers, warn_if_steps_unguarded
 from nanwatch.core.config import WatchConfig, resolve_config
-from nanwatch.core.features.loss_scale import scaler_of
-from nanwatch.core.features.summary import Summary
 from nanwatch.core.hooks import named_unique_modules
 from nanwatch.core.log import get_logger
+from nanwatch.core.readouts import Summary, scaler_of
 from nanwatch.core.watcher import Watcher
 from nanwatch.errors import BatchLimitReached, NonFiniteError
 

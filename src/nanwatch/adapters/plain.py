@@ -31,8 +31,8 @@ from nanwatch.adapters._common import (
     warn_if_steps_unguarded,
 )
 from nanwatch.core.config import WatchConfig, resolve_config
-from nanwatch.core.features.loss_scale import GradScalerLike
 from nanwatch.core.log import warn
+from nanwatch.core.readouts import GradScalerLike
 from nanwatch.core.watcher import Watcher
 from nanwatch.errors import ConfigError, LossScaleBelowFloor
 

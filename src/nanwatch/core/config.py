@@ -313,6 +313,25 @@ class WatchConfig(BaseModel):
             return self
         return WatchConfig.from_dict({**self.model_dump(), **overrides}, source="overrides")
 
+    def for_rerun(self, *, gradients: bool) -> WatchConfig:
+        """The config of a rerun (sentinel mode's replay of a micro-batch that went non-finite): every module watched
+        in full, `gradients` recorded or not, and nothing that writes, traces, summarises or warns: the rerun only
+        finds where inf/nan began; the run's own report says the rest."""
+        return self.model_copy(
+            update={
+                "mode": "full",
+                "watch_gradients": gradients,
+                "watch_eval": True,
+                "trace_batch_nums": [],
+                "capture_on_detect": False,
+                "report_dir": None,
+                "summary_every_n_batches": None,
+                "headroom_warn_fraction": None,
+                "target_dtype": None,
+                "count_underflow": False,
+            }
+        )
+
 
 def read_config_file(path: str | Path) -> dict[str, Any]:
     """The mapping a `.yaml`/`.yml` or `.json` config file holds (empty for an empty file), not yet validated.

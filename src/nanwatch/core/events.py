@@ -18,14 +18,16 @@ The events, in the order a micro-batch meets them:
 - `judge(ctx, report, checked)`: raise the report (return it, perhaps changed) or tolerate it (return None).
 - `on_publish(ctx, report)`: the report is logged and on disk; the error is about to be raised.
 - `on_batch_end(ctx, phase, batch_number)`, `on_optimizer_step(ctx, stage, optimizer)`, `on_scaler(ctx, ...)`.
+- `readouts()`: what the feature offers adapters and users (its summary, the loss scale's history).
 - `close(ctx)`: watching ended (after `detach`): summaries, release what was held.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeAlias
 
 if TYPE_CHECKING:
     import torch
@@ -33,16 +35,25 @@ if TYPE_CHECKING:
     from nanwatch.core.config import WatchConfig
     from nanwatch.core.frames import Frame, ResolvedFrame
     from nanwatch.core.hooks import HookSet
+    from nanwatch.core.readouts import Readout, Summary
     from nanwatch.core.report import Report, ReportSection
     from nanwatch.core.stats.measure import Measurement
 
-__all__ = ["EngineContext", "Feature", "OptimizerStage", "Phase"]
+__all__ = ["KEEP", "EngineContext", "Feature", "Kept", "OptimizerStage", "Phase"]
 
 Phase = Literal["train", "eval"]
 # "guarded": an adapter will report "before" for each step of this optimizer; "before": the optimizer is about to
 # apply the gradients; "after": its step ran; "settled": the loss scaler has decided the last micro-batch's step and
 # updated its scale (the scale can be read).
 OptimizerStage = Literal["guarded", "before", "after", "settled"]
+
+
+class _Keep(enum.Enum):
+    KEEP = "keep"
+
+
+KEEP = _Keep.KEEP  # a counter argument left as it is
+Kept: TypeAlias = "int | None | _Keep"  # a counter's new value, or KEEP
 
 
 class EngineContext(Protocol):
@@ -97,6 +108,9 @@ class EngineContext(Protocol):
 
     @property
     def disabled_reason(self) -> str | None: ...
+    @property
+    def summary_sink(self) -> Callable[[Summary], None] | None:
+        """Where a due summary goes: the logger by default, an adapter's framework logger, or nowhere (None)."""
 
     def rank_logs(self, ranks: Literal["zero", "all"] | list[int]) -> bool:
         """Whether this rank is one of `ranks` (as `trace_ranks` names them)."""
@@ -197,6 +211,10 @@ class Feature:
         self, ctx: EngineContext, stage: OptimizerStage, optimizer: torch.optim.Optimizer | None
     ) -> None:
         """An optimizer step is at `stage`."""
+
+    def readouts(self) -> Mapping[Readout[Any], Callable[[], Any]]:
+        """What this feature offers adapters and users (core/readouts.py), read when asked."""
+        return {}
 
     def on_scaler(self, ctx: EngineContext, scaler: Any, read_scale: str) -> None:
         """The adapter found the run's loss scaler (a `torch.amp.GradScaler`); `read_scale` says when its scale can

@@ -33,6 +33,7 @@ __all__ = [
     "ResolvedFrame",
     "Role",
     "resolve",
+    "counter_name",
     "shown_class",
 ]
 
@@ -41,6 +42,12 @@ __all__ = [
 BACKWARD_SUFFIX = " (backward)"
 RECOMPUTE_SUFFIX = " (recompute)"
 GRAD_PREFIX = "grad "
+
+
+def counter_name(phase: str) -> str:
+    """How reports, errors and logs name a phase's micro-batch counter: `batch_number` for training (the name
+    transformers' tool uses), `eval_batch_number` for evaluation."""
+    return "batch_number" if phase == "train" else f"{phase}_batch_number"
 
 
 class Direction(enum.Enum):

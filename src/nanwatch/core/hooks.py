@@ -114,11 +114,6 @@ class HookSet:
         """A forward hook on `module`, after its other forward hooks (`prepend=True`: before them)."""
         self._handles.append(module.register_forward_hook(hook, prepend=prepend))
 
-    def add_forward_pre(
-        self, module: torch.nn.Module, hook: Callable[[torch.nn.Module, tuple[Any, ...]], None]
-    ) -> None:
-        self._handles.append(module.register_forward_pre_hook(hook))
-
     def add_handle(self, handle: RemovableHandle | Removable) -> None:
         self._handles.append(handle)
 

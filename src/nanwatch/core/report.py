@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from nanwatch.core.frames import Direction, ResolvedEntry, ResolvedFrame
+from nanwatch.core.frames import Direction, ResolvedEntry, ResolvedFrame, counter_name
 from nanwatch.core.stats import registry
 
 __all__ = [
@@ -113,6 +113,8 @@ class ReportSection:
         lines: its text, after the frames and a blank line.
         data: its JSON object.
         payload: the object behind it, for code (the `Culprit`, the `LossScaleHistory`).
+        headline: for a detection no frame holds, which this section made (the guard's gradients): where the error
+            message says inf/nan was found (" in the gradients about to be applied (first: 'fc.weight')").
     """
 
     key: str
@@ -120,6 +122,7 @@ class ReportSection:
     lines: tuple[str, ...]
     data: Any
     payload: Any = None
+    headline: str | None = None
 
 
 @dataclass(frozen=True)
@@ -138,7 +141,7 @@ class Report:
 
     @property
     def header(self) -> str:
-        counter = "batch_number" if self.phase == "train" else f"{self.phase}_batch_number"
+        counter = counter_name(self.phase)
         where = f" on rank {self.rank}" if self.world_size > 1 else ""
         return f"Detected inf/nan during {counter}={self.batch_number}{where}"
 

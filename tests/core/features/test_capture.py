@@ -26,6 +26,7 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from tests.engine_helpers import publish  # noqa: E402
 from tests.replay_models import TinyNet  # noqa: E402
 
 HUGE = 3e38  # 8 such inputs to a Linear: its output is inf in fp32
@@ -58,13 +59,13 @@ def _watcher(model: torch.nn.Module, report_dir: Path) -> Watcher:
 def _publish(watcher: Watcher) -> None:
     report = watcher.check()
     assert report is not None
-    watcher._publish(report)
+    publish(watcher, report)
 
 
 def test_off_it_adds_no_hook_and_writes_no_replay_file(tmp_path: Path) -> None:
     model = TinyNet()
     handle = nanwatch.watch(model, report_dir=tmp_path)
-    assert not any(isinstance(f, ReplayCapture) for f in handle.watcher._features)
+    assert handle.watcher.feature(ReplayCapture) is None
     assert not model._forward_pre_hooks_with_kwargs
     model(torch.full((4, 8), HUGE))
     with pytest.raises(NonFiniteError):
@@ -131,7 +132,8 @@ def test_close_lets_go_of_the_copied_weights_and_inputs(tmp_path: Path) -> None:
     # A closed handle stays referenced by the user's code: the copies it held (a model's worth of weights) must not.
     model = TinyNet()
     handle = nanwatch.watch(model, capture_on_detect=True, report_dir=tmp_path)
-    (capture,) = (f for f in handle.watcher._features if isinstance(f, ReplayCapture))
+    capture = handle.watcher.feature(ReplayCapture)
+    assert capture is not None
     inputs, scale = torch.ones(4, 8), torch.full((16,), 2.0)
     model(inputs, scale=scale)
     handle.step()

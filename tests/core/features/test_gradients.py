@@ -333,7 +333,7 @@ def test_close_removes_the_parameter_and_tensor_hooks() -> None:
     handle = watch(model, optimizer=optimizer, watch_gradients=True)
     assert _parameter_hooks(model) == 4
     loss = model(torch.randn(3, 4)).sum()  # its graph carries tensor hooks...
-    recorder = handle.watcher._find(GradientRecorder)
+    recorder = handle.watcher.feature(GradientRecorder)
     assert recorder is not None
     assert len(recorder._tensors) > 0
     handle.close()
@@ -375,7 +375,7 @@ def test_eval_and_no_grad_forwards_hook_nothing() -> None:
     with watch(model, watch_gradients=True, watch_eval=True) as handle:
         with torch.no_grad():
             model(torch.randn(2, 4))
-        recorder = handle.watcher._find(GradientRecorder)
+        recorder = handle.watcher.feature(GradientRecorder)
         assert recorder is not None
         assert len(recorder._tensors) == 0
         handle.step()

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tests.engine_helpers import headroom
 from torch import nn
 
 import nanwatch
@@ -102,8 +103,8 @@ def test_a_tensor_is_warned_about_again_each_time_its_headroom_halves(nanwatch_l
             handle.step()
     batches = [message.split("batch_number=")[1].split(":")[0] for message in _messages(nanwatch_log)]
     assert batches == ["0", "2", "4"]  # 6.6x; 3.3x (half of 6.6x); 1.6x (half of 3.3x)
-    assert handle.watcher.headroom is not None
-    assert [f.batch_number for f in handle.watcher.headroom.warned if f.label == "output"] == [0, 2, 4]
+    assert headroom(handle.watcher) is not None
+    assert [f.batch_number for f in headroom(handle.watcher).warned if f.label == "output"] == [0, 2, 4]
 
 
 def test_bfloat16_and_float8_are_judged_against_their_own_maxima(nanwatch_log: pytest.LogCaptureFixture) -> None:
@@ -193,7 +194,7 @@ def test_eval_batches_and_ranks_are_named(nanwatch_log: pytest.LogCaptureFixture
     for rank, looks in ((1, False), (0, True)):
         other = Watcher(model, WatchConfig(), rank=rank, world_size=2)
         other.attach()
-        assert (other.headroom is not None) == looks
+        assert (headroom(other) is not None) == looks
         other.close(check=False)
 
 
@@ -202,7 +203,7 @@ def test_headroom_can_be_switched_off(nanwatch_log: pytest.LogCaptureFixture) ->
     for off in (None, 0):
         with nanwatch.watch(model, headroom_warn_fraction=off) as handle:
             assert handle.config.headroom_warn_fraction is None
-            assert handle.watcher.headroom is None
+            assert headroom(handle.watcher) is None
             model(_column([6e4], torch.float16))
             handle.step()
     assert nanwatch_log.records == []
@@ -228,8 +229,8 @@ def test_target_float16_on_float32_says_what_would_overflow_without_raising(
         handle.step()  # a warning, never an error
         model(_column([1.0], torch.float32))
         handle.step()
-        headroom = handle.watcher.headroom
-        assert headroom is not None
+        monitor = headroom(handle.watcher)
+        assert monitor is not None
     (message,) = _messages(nanwatch_log)
     assert message == (
         "nanwatch: numbers near their dtype's limits during batch_number=0:\n"
@@ -237,12 +238,12 @@ def test_target_float16_on_float32_says_what_would_overflow_without_raising(
         "  0 (Linear) output: float32 abs max 6.55e+04, just past float16's max 6.55e+04 (rounds to it)\n"
         "  1 (Linear) output: float32 abs max 6.55e+04 would overflow float16 (1.0002x over its max 6.55e+04)"
     )
-    assert [(f.kind, f.module_name, f.label, f.abs_max) for f in headroom.warned] == [
+    assert [(f.kind, f.module_name, f.label, f.abs_max) for f in monitor.warned] == [
         ("target_headroom", "0", "input[0]", 65519.0),
         ("target_headroom", "0", "output", 65519.0),
         ("target_overflow", "1", "output", 65520.0),
     ]
-    assert headroom.largest_abs_max() == 65520.0
+    assert monitor.largest_abs_max() == 65520.0
     (summary,) = _messages(nanwatch_log, "nanwatch headroom summary")
     assert summary.splitlines()[0] == (
         "nanwatch headroom summary after 2 checks (headroom_warn_fraction=0.125, target_dtype=float16):"

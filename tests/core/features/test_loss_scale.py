@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from tests.backward_faults import InfInBackward
+from tests.engine_helpers import loss_scale
 from torch import nn
 
 from nanwatch import ConfigError, LossScaleBelowFloor, NonFiniteError, WatchConfig, WatchHandle, watch
@@ -55,7 +56,7 @@ def test_an_overflow_on_a_skipped_step_is_recorded_and_the_run_goes_on(nanwatch_
             scaler.update()
             optimizer.zero_grad()
             handle.step()
-        monitor = handle.watcher.loss_scale
+        monitor = loss_scale(handle.watcher)
         assert monitor is not None
         history = monitor.history()
     assert torch.equal(weights[0], weights[1])  # step 0 was skipped by the scaler...
@@ -80,7 +81,7 @@ def test_step_called_before_the_scaler_steps_confirms_the_skip_later() -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = torch.amp.GradScaler("cpu")
     with watch(model, optimizer=optimizer, scaler=scaler, watch_gradients=True) as handle:
-        monitor = handle.watcher.loss_scale
+        monitor = loss_scale(handle.watcher)
         assert monitor is not None
         for batch in range(3):
             _fp16_step(model, scaler, optimizer)
@@ -111,7 +112,7 @@ def _scale_history_of_a_loop(*, step_first: bool, accumulate: int) -> tuple[Loss
                 optimizer.zero_grad()
             if not step_first:
                 handle.step()
-    monitor = handle.watcher.loss_scale  # closed: the last micro-batch's step is read too
+    monitor = loss_scale(handle.watcher)  # closed: the last micro-batch's step is read too
     assert monitor is not None
     assert monitor.overflows
     assert all(overflow.skipped for overflow in monitor.overflows)
@@ -218,7 +219,7 @@ def test_a_fused_optimizer_sees_found_inf_and_skips_itself() -> None:
         optimizer.zero_grad()
         handle.step()
         assert torch.equal(model.weight, before)
-        monitor = handle.watcher.loss_scale
+        monitor = loss_scale(handle.watcher)
         assert monitor is not None
         assert all(overflow.skipped for overflow in monitor.overflows)
         assert len(monitor.overflows) == 1

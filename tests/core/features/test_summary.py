@@ -7,9 +7,10 @@ import math
 
 import pytest
 import torch
+from tests.engine_helpers import held_frame_counts
 
 from nanwatch import WatchConfig
-from nanwatch.core.features.summary import Summary, SummaryFeature
+from nanwatch.core.features.summary import Summary
 from nanwatch.core.frames import Direction
 from nanwatch.core.watcher import Watcher
 
@@ -253,15 +254,14 @@ def test_a_batch_that_never_ends_holds_a_bounded_number_of_frames_and_its_summar
             expected[module] = max(expected.get(module, 0.0), amax(*tensors))
         expected[""] = max(expected.get("", 0.0), amax(*inputs.values(), out))
 
-    feature = watcher._feature(SummaryFeature)
-    held = [len(watcher._pending), len(watcher._ring), len(feature._frames)]
+    held = held_frame_counts(watcher)
     assert held[0] < PENDING_CAP
     assert held[1] <= watcher.config.max_frames_to_save
     assert held[2] <= SUMMARY_CAP
     assert sum(held) < PENDING_CAP + SUMMARY_CAP + watcher.config.max_frames_to_save
 
     watcher.end_batch()  # the batch ends at last: its summary covers every forward, folded or held
-    assert len(feature._frames) <= SUMMARY_CAP
+    assert held_frame_counts(watcher)[2] <= SUMMARY_CAP
     summary = watcher.summary()
     watcher.close(check=False)
     assert summary is not None

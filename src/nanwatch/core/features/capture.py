@@ -20,6 +20,7 @@ import torch
 
 from nanwatch.core.events import EngineContext, Feature
 from nanwatch.core.formats.replay_file import replay_file_name, save_replay_file
+from nanwatch.core.frames import counter_name
 from nanwatch.core.report import Report
 from nanwatch.core.runstate import autocast_state, capture_rng_states, determinism_flags
 
@@ -157,7 +158,7 @@ class ReplayCapture(Feature):
         Never raises: a replay file that cannot be written is logged, and the detection goes on to be raised.
         """
         report_dir = ctx.config.report_dir
-        counter = "batch_number" if report.phase == "train" else f"{report.phase}_batch_number"
+        counter = counter_name(report.phase)
         if report_dir is None:
             return None
         if self._failed is not None:

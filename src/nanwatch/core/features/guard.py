@@ -28,7 +28,7 @@ from nanwatch.core.report import Report, ReportSection
 from nanwatch.core.stats.measure import MagnitudePlan
 from nanwatch.core.stats.sharded import local_shard
 
-__all__ = ["GradientGuard", "MAX_NAMED", "backward_note", "first_gradient"]
+__all__ = ["GradientGuard", "MAX_NAMED", "backward_note"]
 
 # Parameters named in a report; the others are counted.
 MAX_NAMED = 5
@@ -102,12 +102,14 @@ class GradientGuard(Feature):
             "of": len(params),
         }
         lines = [line]
+        headline = f" in the gradients about to be applied (first: {bad[0][0]!r})"
         if ctx.frames_finite and ctx.config.mode == "full":  # no frame of this check holds inf/nan
             note = backward_note(ctx.config.watch_gradients)
             lines.append(note[0].upper() + note[1:] + ".")
+            headline += f"; {note}"
         # The module owning the first non-finite gradient in the optimizer's order: where it is, not where it began.
         owner = bad[0][0].rpartition(".")[0]
-        return ctx.detection_report(ReportSection("gradients", 5, tuple(lines), data, bad), owner)
+        return ctx.detection_report(ReportSection("gradients", 5, tuple(lines), data, bad, headline), owner)
 
     def _name(self, param: torch.Tensor, index: int) -> str:
         return self._names.get(id(param), f"(parameter {index} of the optimizer, outside the watched model)")
@@ -126,29 +128,6 @@ def backward_note(watch_gradients: bool) -> str:
         "backward (a change to .grad before the step, such as gradient clipping), or in parameters of modules that "
         "are not watched"
     )
-
-
-def born_in_backward(report: Report) -> str | None:
-    """The note the guard added to a detection whose micro-batch was recorded and finite in every forward value
-    (`backward_note`), or None when it added none (an unwatched micro-batch, sentinel mode, a frame with inf/nan)."""
-    section = report.section("gradients")
-    if section is None:
-        return None
-    for line in section.lines:
-        for watch_gradients in (False, True):
-            note = backward_note(watch_gradients)
-            if line == note[0].upper() + note[1:] + ".":
-                return note
-    return None
-
-
-def first_gradient(report: Report) -> str | None:
-    """The name of the first non-finite gradient of a detection the guard made, or None for any other report."""
-    section = report.section("gradients")
-    if section is None or not section.payload:
-        return None
-    name: str = section.payload[0][0]
-    return name
 
 
 _Groups = list[tuple[list[int], torch.Tensor]]

@@ -24,7 +24,7 @@ import torch
 
 from nanwatch.core.config import WatchConfig
 from nanwatch.core.events import EngineContext, Feature
-from nanwatch.core.frames import Entry, Frame
+from nanwatch.core.frames import Entry, Frame, counter_name
 from nanwatch.core.report import Report
 from nanwatch.core.stats.limits import Limits, dtype_name, limits_of, round_up, target_limits
 from nanwatch.core.stats.measure import Measurement
@@ -322,7 +322,7 @@ class HeadroomMonitor(Feature):
             return
         self.warned += fresh
         first = fresh[0]
-        counter = "batch_number" if first.phase == "train" else f"{first.phase}_batch_number"
+        counter = counter_name(first.phase)
         on_rank = f" on rank {self.rank}" if self.world_size > 1 else ""
         lines = [f"nanwatch: numbers near their dtype's limits during {counter}={first.batch_number}{on_rank}:"]
         lines += [f"  {finding.line()}" for finding in fresh[:MAX_LINES]]
@@ -370,7 +370,7 @@ class HeadroomMonitor(Feature):
                 continue
             tensors = "1 tensor" if len(found) == 1 else f"{len(found)} tensors"
             worst = found[0]
-            counter = "batch_number" if worst.phase == "train" else f"{worst.phase}_batch_number"
+            counter = counter_name(worst.phase)
             lines.append(
                 f"  {title.format(target=target_name)}: {tensors}; worst at {counter}={worst.batch_number}: "
                 f"{worst.line()}"

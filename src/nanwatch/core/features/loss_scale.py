@@ -29,15 +29,25 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any
 
 import torch
 
 from nanwatch.core.events import EngineContext, Feature, OptimizerStage, Phase
 from nanwatch.core.frames import Direction, Frame
 from nanwatch.core.optimizers import skips_this_step
+from nanwatch.core.readouts import (
+    LOSS_SCALE_HISTORY,
+    GradScalerLike,
+    LossScaleHistory,
+    Readout,
+    ScaleReading,
+    ScaleRecord,
+    scale_text,
+    scaler_of,
+)
 from nanwatch.core.report import Report, ReportSection
 from nanwatch.errors import LossScaleBelowFloor
 
@@ -52,102 +62,10 @@ __all__ = [
     "scaler_of",
 ]
 
-# When the scale of a micro-batch's step can be read: as it ends (Lightning, Accelerate), or when the adapter says the
-# scaler has settled (the "settled" optimizer stage: the plain loop, the HF Trainer).
-ScaleReading = Literal["at_batch_end", "when_settled"]
-
 # Changes of the scale kept for the report: the first reading and the most recent ones.
 _MAX_RECORDS = 64
 # Gradient overflows remembered (the latest); the count of all of them is kept apart.
 _MAX_OVERFLOWS = 16
-
-
-@runtime_checkable
-class GradScalerLike(Protocol):
-    """What nanwatch needs of a loss scaler: `torch.amp.GradScaler` (and the deprecated `torch.cuda.amp` one)."""
-
-    def get_scale(self) -> float: ...
-
-    def is_enabled(self) -> bool: ...
-
-
-def scaler_of(holder: object) -> GradScalerLike | None:
-    """The loss scaler a framework object keeps in its `scaler` attribute, or None when it has none.
-
-    Where each framework keeps the run's `GradScaler` (None there when the loss is not scaled): Lightning's precision
-    plugin (`trainer.precision_plugin.scaler`), an `accelerate.Accelerator` (`accelerator.scaler`), and each
-    `AcceleratedOptimizer` it prepares (`optimizer.scaler`, the one the transformers Trainer hands its callbacks).
-    """
-    scaler = getattr(holder, "scaler", None)
-    return scaler if isinstance(scaler, GradScalerLike) else None
-
-
-@dataclass(frozen=True, slots=True)
-class ScaleRecord:
-    """The loss scale as read at the end of a training batch, when it differs from the reading before."""
-
-    batch_number: int
-    optimizer_step: int | None
-    scale: float
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"batch_number": self.batch_number, "optimizer_step": self.optimizer_step, "scale": self.scale}
-
-
-@dataclass(frozen=True, slots=True)
-class LossScaleHistory:
-    """The loss scale over the run, as it goes into a report (a text line and a JSON object).
-
-    Attributes:
-        records: the first reading, then each change (oldest first); at most 64, the oldest changes dropped first.
-        skipped_steps: how many times the scale went down (each is at least one step the scaler skipped).
-        gradient_overflows: how many checks found inf/nan first in gradients and let the run go on.
-        min_loss_scale: the floor below which nanwatch stops the run (None: no floor).
-        dropped: how many older changes are not in `records`.
-    """
-
-    records: tuple[ScaleRecord, ...]
-    skipped_steps: int
-    gradient_overflows: int
-    min_loss_scale: float | None
-    dropped: int = 0
-
-    @property
-    def current(self) -> float | None:
-        return self.records[-1].scale if self.records else None
-
-    def to_text(self) -> str:
-        """One line: `Loss scale (GradScaler): 65536 at batch 0 -> 32768 at batch 3 -> ...; 1 skipped step; ...`."""
-        steps = [f"{_number(r.scale)} at batch {r.batch_number}" for r in self.records]
-        if self.dropped:
-            steps.insert(1, f"... {self.dropped} earlier change{'s' if self.dropped != 1 else ''} ...")
-        floor = "none" if self.min_loss_scale is None else _number(self.min_loss_scale)
-        return (
-            f"Loss scale (GradScaler): {' -> '.join(steps) or 'not read yet'}; "
-            f"{_count(self.skipped_steps, 'skipped step')}, "
-            f"{_count(self.gradient_overflows, 'gradient overflow')} tolerated; min_loss_scale={floor}"
-        )
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "records": [record.to_dict() for record in self.records],
-            "dropped": self.dropped,
-            "current": self.current,
-            "skipped_steps": self.skipped_steps,
-            "gradient_overflows": self.gradient_overflows,
-            "min_loss_scale": self.min_loss_scale,
-        }
-
-
-def _count(number: int, noun: str) -> str:
-    return f"{number} {noun}{'s' if number != 1 else ''}"
-
-
-def _number(value: float) -> str:
-    # Scales are powers of two in practice (65536, 0.5, 0.0009765625): printed in full, never rounded.
-    if value.is_integer() and abs(value) < 1e16:
-        return str(int(value))
-    return repr(value)
 
 
 @dataclass(slots=True)
@@ -270,14 +188,14 @@ class LossScaleMonitor:
         self.gradient_overflow_count += 1
         where = f", first in module {report.module_name!r} (backward)" if report.module_name is not None else ""
         if went_down:
-            verdict = f"the GradScaler skipped its step (scale now {_number(scale)})"
+            verdict = f"the GradScaler skipped its step (scale now {scale_text(scale)})"
         elif self._skipping:
             verdict = "the optimizer skips its step (found_inf)"
         else:
             verdict = "expected if the GradScaler skips its step"
         self.logger.info(
             f"nanwatch: inf/nan gradients during batch_number={report.batch_number}{where} at loss scale "
-            f"{_number(computed_at)}: {verdict}; going on"
+            f"{scale_text(computed_at)}: {verdict}; going on"
         )
         return None
 
@@ -335,8 +253,8 @@ class LossScaleMonitor:
         )
         where = f"; the last overflow was first in module {last.module_name!r} (backward)" if last is not None else ""
         error = LossScaleBelowFloor(
-            f"nanwatch: the GradScaler's loss scale fell to {_number(scale)} at batch_number={batch_number}, below "
-            f"min_loss_scale={_number(self.min_loss_scale)}: gradients overflow however small the scale{where}. "
+            f"nanwatch: the GradScaler's loss scale fell to {scale_text(scale)} at batch_number={batch_number}, below "
+            f"min_loss_scale={scale_text(self.min_loss_scale)}: gradients overflow however small the scale{where}. "
             f"{history.to_text()}",
             loss_scale=scale,
             min_loss_scale=self.min_loss_scale,
@@ -350,10 +268,6 @@ class LossScaleMonitor:
             phase="train",
         )
         return report, error
-
-    @property
-    def has_fatal(self) -> bool:
-        return self._fatal is not None
 
     def take_fatal(self) -> Report | None:
         """The overflow found fatal by `step_applying`, once."""
@@ -373,6 +287,9 @@ class LossScaleFeature(Feature):
         self.min_loss_scale = min_loss_scale
         self.monitor: LossScaleMonitor | None = None
         self.reading: ScaleReading = "at_batch_end"
+
+    def readouts(self) -> Mapping[Readout[Any], Callable[[], Any]]:
+        return {LOSS_SCALE_HISTORY: lambda: None if self.monitor is None else self.monitor.history()}
 
     def on_scaler(self, ctx: EngineContext, scaler: Any, read_scale: str) -> None:
         if read_scale not in ("at_batch_end", "when_settled"):

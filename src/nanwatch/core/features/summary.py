@@ -11,80 +11,24 @@ largest of its `summary_value` over the module's forward lines (abs max: `nanwat
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from nanwatch.core.events import EngineContext, Feature, Phase
 from nanwatch.core.frames import Direction, Frame, resolve
-from nanwatch.core.scope import ROOT_NAME
+from nanwatch.core.readouts import (
+    ABSMAX_PREFIX,
+    BATCH_KEY,
+    GLOBAL_KEY,
+    METRIC_PREFIX,
+    SUMMARY,
+    Readout,
+    Summary,
+    order_key,
+)
 from nanwatch.core.stats import registry
 
 __all__ = ["Summary", "SummaryFeature", "METRIC_PREFIX", "ABSMAX_PREFIX", "GLOBAL_KEY", "BATCH_KEY"]
-
-METRIC_PREFIX = "nanwatch"
-ABSMAX_PREFIX = f"{METRIC_PREFIX}/absmax/"
-GLOBAL_KEY = f"{METRIC_PREFIX}/absmax_global"
-BATCH_KEY = f"{METRIC_PREFIX}/batch_number"
-# The text form lists this many modules, the largest first; the metrics hold all of them.
-_TEXT_TOP = 10
-
-
-@dataclass(frozen=True)
-class Summary:
-    """Per-module abs max over the float forward tensors (parameters, inputs, outputs) of one training batch.
-
-    Attributes:
-        batch_number: the watched training batch the numbers come from.
-        absmax: module name -> the largest abs max among its float tensors in that batch (over all its calls), in
-            the order the modules were first called. Modules that saw no float tensor are left out.
-        class_names: module name -> its class name.
-    """
-
-    batch_number: int
-    absmax: dict[str, float]
-    class_names: dict[str, str] = field(default_factory=dict)
-    # Other statistics' summaries (metric name -> module -> value), from statistics registered beside abs-min/max.
-    others: dict[str, dict[str, float]] = field(default_factory=dict)
-
-    @property
-    def max_module(self) -> str | None:
-        """The module holding the largest abs max (the first one on a tie), or None when the summary is empty."""
-        if not self.absmax:
-            return None
-        return max(self.absmax, key=lambda name: _order_key(self.absmax[name]))
-
-    @property
-    def max_value(self) -> float | None:
-        module = self.max_module
-        return None if module is None else self.absmax[module]
-
-    def metrics(self) -> dict[str, float]:
-        """Flat numeric metrics for a framework logger: `nanwatch/absmax/<module>` for every module, then
-        `nanwatch/absmax_global` (the largest of them) and `nanwatch/batch_number`. The root module is `(root)`."""
-        values = {ABSMAX_PREFIX + (name or ROOT_NAME): value for name, value in self.absmax.items()}
-        if self.max_value is not None:
-            values[GLOBAL_KEY] = self.max_value
-        for metric, modules in self.others.items():
-            values.update((f"{METRIC_PREFIX}/{metric}/{name or ROOT_NAME}", value) for name, value in modules.items())
-        values[BATCH_KEY] = float(self.batch_number)
-        return values
-
-    def to_text(self, top: int = _TEXT_TOP) -> str:
-        """A few lines for a log: the largest abs max and where, then the `top` largest modules."""
-        module = self.max_module
-        if module is None:
-            return f"nanwatch summary of batch_number={self.batch_number}: no float tensor was recorded"
-        ranked = sorted(self.absmax, key=lambda name: _order_key(self.absmax[name]), reverse=True)[:top]
-        lines = [
-            f"nanwatch summary of batch_number={self.batch_number}: largest abs max {self.absmax[module]:.2e} in "
-            f"{module or ROOT_NAME} ({self.class_names.get(module, '?')}); {len(self.absmax)} modules, largest first:"
-        ]
-        lines += [
-            f"{self.absmax[name]:8.2e} {name or ROOT_NAME} {self.class_names.get(name, '')}".rstrip() for name in ranked
-        ]
-        return "\n".join(lines)
-
 
 # Frames of one batch held for its summary before they are folded into numbers (a few MB of references).
 _MAX_HELD = 8192
@@ -98,7 +42,7 @@ def _merge(first: Summary | None, second: Summary) -> Summary:
     def larger(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
         merged = dict(a)
         for name, value in b.items():
-            merged[name] = max(merged.get(name, value), value, key=_order_key)
+            merged[name] = max(merged.get(name, value), value, key=order_key)
         return merged
 
     others = {metric: larger(first.others.get(metric, {}), values) for metric, values in second.others.items()}
@@ -108,11 +52,6 @@ def _merge(first: Summary | None, second: Summary) -> Summary:
         {**second.class_names, **first.class_names},
         {**first.others, **others},
     )
-
-
-def _order_key(value: float) -> float:
-    # nan sorts above everything, so a summary never hides it behind a finite maximum.
-    return math.inf if math.isnan(value) else value
 
 
 class SummaryFeature(Feature):
@@ -132,8 +71,9 @@ class SummaryFeature(Feature):
         self._folded: Summary | None = None
         self._batch = -1
         self._sent_batch: int | None = None
-        # Where a due summary goes; the engine logs it by default, adapters send it to their framework (or nowhere).
-        self.sink: Callable[[Summary], None] | None = None
+
+    def readouts(self) -> Mapping[Readout[Any], Callable[[], Any]]:
+        return {SUMMARY: self.summary}
 
     def on_commit(self, ctx: EngineContext, frames: Sequence[Frame]) -> None:
         """Remember `frames` (just checked clean) if they belong to the latest training batch; references only."""
@@ -183,14 +123,14 @@ class SummaryFeature(Feature):
                 value = lead.summary_value(entry.range)
                 if value is not None:
                     seen = absmax.get(frame.module_name)
-                    if seen is None or _order_key(value) > _order_key(seen):
+                    if seen is None or order_key(value) > order_key(seen):
                         absmax[frame.module_name] = value
                         class_names[frame.module_name] = frame.class_name
                 for statistic in others:
                     extra = statistic.summary_value(entry.stats.get(statistic.name))
                     if extra is not None:
                         modules = other_values.setdefault(str(statistic.summary_metric), {})
-                        modules[frame.module_name] = max(modules.get(frame.module_name, extra), extra, key=_order_key)
+                        modules[frame.module_name] = max(modules.get(frame.module_name, extra), extra, key=order_key)
         return Summary(self._batch, absmax, class_names, other_values)
 
     def due(self, batches_done: int) -> Summary | None:
@@ -208,7 +148,7 @@ class SummaryFeature(Feature):
         return summary
 
     def on_batch_end(self, ctx: EngineContext, phase: Phase, batch_number: int) -> None:
-        sink = self.sink
+        sink = ctx.summary_sink  # the logger by default; adapters send it to their framework (or nowhere)
         if phase != "train" or sink is None or self.every is None:
             return
         try:

@@ -20,7 +20,7 @@ import torch
 from nanwatch.core.events import EngineContext, Feature, Phase
 from nanwatch.core.formats.files import append_trace, append_trace_records, trace_paths
 from nanwatch.core.formats.jsonl import trace_records
-from nanwatch.core.frames import Frame, ResolvedEntry, ResolvedFrame, resolve
+from nanwatch.core.frames import Frame, ResolvedEntry, ResolvedFrame, counter_name, resolve
 from nanwatch.core.log import warn
 from nanwatch.core.report import TABLE_HEADER, format_batch_start, format_frame
 from nanwatch.core.stats import registry
@@ -85,7 +85,7 @@ class TraceFeature(Feature):
 
 def _where_it_went(frame: Frame, rank: int, world_size: int, text_path: Path, jsonl_path: Path) -> str:
     """The one line the log gets for a batch traced to files."""
-    counter = "eval_batch_number" if frame.phase == "eval" else "batch_number"
+    counter = counter_name(frame.phase)
     where = f" on rank {rank}" if world_size > 1 else ""
     return f"nanwatch: tracing {counter}={frame.batch_number}{where} to {text_path} and {jsonl_path.name} beside it"
 

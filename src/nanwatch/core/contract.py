@@ -1,0 +1,147 @@
+"""What an adapter may use of the engine: every member, declared once (the engine's side of `EngineContext`).
+
+Adapters (adapters/) hold their watcher typed as `AdapterContract`, so mypy rejects a member not declared here; the
+engine (core/watcher.py) implements it. A micro-batch, as an adapter tells it:
+
+    start_batch("train")                    the forwards that follow belong to a training micro-batch
+      watch_loss(loss)                      a loss computed outside the watched modules
+      set_phase("eval") ... set_phase("train")   evaluation inside the open micro-batch, and back
+    end_batch()                             check it (one host read); counters advance
+    on_optimizer_step("before", optimizer)  check the gradients about to be applied; every rank agrees here
+    on_optimizer_step("after", optimizer)   the step ran (counted unless the framework counts)
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
+
+from nanwatch.core.events import KEEP, Kept, OptimizerStage, Phase
+
+if TYPE_CHECKING:
+    import torch
+
+    from nanwatch.core.config import WatchConfig
+    from nanwatch.core.frames import Frame
+    from nanwatch.core.hooks import HookSet
+    from nanwatch.core.readouts import GradScalerLike, Readout, Summary
+    from nanwatch.core.report import Report
+
+__all__ = ["KEEP", "AdapterContract"]
+
+_T = TypeVar("_T")
+
+
+class AdapterContract(Protocol):
+    """The engine as an adapter sees it."""
+
+    # ----------------------------------------------------------------------------------------- set-up, close
+
+    @property
+    def config(self) -> WatchConfig:
+        """The run's config (read-only)."""
+
+    @property
+    def logger(self) -> logging.Logger:
+        """The "nanwatch" logger, for an adapter's own notes."""
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """The watched model (held weakly once closed)."""
+
+    @property
+    def hooks(self) -> HookSet:
+        """Where an adapter adds its own hook handles, so that `close()` removes them with the engine's."""
+
+    @property
+    def attached(self) -> bool:
+        """Whether the engine's hooks are on the model."""
+
+    summary_sink: Callable[[Summary], None] | None
+    """Where a due summary goes: the logger by default; an adapter sends it to its framework's logger, or nowhere
+    (None) on ranks whose logger writes nothing."""
+
+    def attach(self, modules: Iterable[tuple[str, torch.nn.Module]] | None = None) -> None:
+        """Hook every module the config's scope keeps (or the given ones)."""
+
+    def close(self, *, check: bool = True, raise_detection: bool = False) -> Report | None:
+        """Check what is pending (`check`), remove every hook, let the features sum up; the report published, if
+        any (raised with `raise_detection`)."""
+
+    def outside_graph(
+        self, module: torch.nn.Module, hook: Callable[..., Any], *placeholders: Any
+    ) -> Callable[..., Any]:
+        """An adapter's hook on `module` that a compiled graph runs outside the graph (bookkeeping only)."""
+
+    # ------------------------------------------------------------------------------------------ the batch
+
+    def start_batch(self, phase: Phase, *, optimizer_step: Kept = KEEP, epoch: Kept = KEEP) -> None:
+        """A micro-batch of `phase` starts (idempotent within one). Raises if another rank stopped."""
+
+    def set_phase(self, phase: Phase) -> None:
+        """The forwards that follow belong to `phase`, in the micro-batch already open."""
+
+    def end_batch(self, *, optimizer_step: Kept = KEEP, epoch: Kept = KEEP) -> None:
+        """Check the micro-batch; raise a detection (single process: now; ranks: at the optimizer step)."""
+
+    def agreement_point(self, *, hold: bool = True) -> None:
+        """Check now rather than at the end of the micro-batch."""
+
+    def on_optimizer_step(
+        self, stage: OptimizerStage, optimizer: torch.optim.Optimizer | None = None, *, optimizer_step: Kept = KEEP
+    ) -> None:
+        """An optimizer step is at `stage` ("guarded", "before", "after", "settled")."""
+
+    def guards(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether some adapter already checks before each step of `optimizer`."""
+
+    def watch_loss(self, loss: torch.Tensor) -> None:
+        """Record a loss computed outside the watched modules."""
+
+    def watch_scaler(
+        self, scaler: GradScalerLike, *, read_scale: Literal["at_batch_end", "when_settled"] = "at_batch_end"
+    ) -> None:
+        """Follow the run's GradScaler (its skipped steps are expected)."""
+
+    # ------------------------------------------------------------------------------------- counters, state
+
+    @property
+    def phase(self) -> Phase: ...
+    @property
+    def batch_number(self) -> int:
+        """The current (or next) training micro-batch."""
+
+    @property
+    def eval_batch_number(self) -> int: ...
+    @property
+    def optimizer_step(self) -> int | None: ...
+    @property
+    def epoch(self) -> int | None: ...
+    @property
+    def recording(self) -> bool:
+        """Whether the current micro-batch is recorded (watched, and watching not disabled)."""
+
+    @property
+    def disabled_reason(self) -> str | None:
+        """Why watching stopped after a failure of nanwatch's own, or None."""
+
+    def set_counters(self, *, optimizer_step: Kept = KEEP, epoch: Kept = KEEP) -> None:
+        """The framework's counters as they are now."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """The counters, for a framework's checkpoint."""
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Resume the counters from a checkpoint."""
+
+    # --------------------------------------------------------------------------------------------- reading
+
+    def read(self, readout: Readout[Callable[[], _T]]) -> _T | None:
+        """What a feature offers (core/readouts.py), or None where none does."""
+
+    def summary(self) -> Summary | None:
+        """The per-module abs max of the last training batch checked clean, or None."""
+
+    def recent_frames(self) -> list[Frame]:
+        """The ring's frames, then those not yet checked."""

@@ -1,0 +1,9 @@
+"""The engine's parts, one job each; `core/watcher.py` wires them into the facade adapters use.
+
+- `recorder`: the module hooks and the frames they make (eager and compiled), pending until a check.
+- `counters`: the phase, the micro-batch counters, the framework's optimizer step and epoch.
+- `checker`: the check (one host read), the reports, the ring of earlier frames.
+- `arbiter`: a detection from found, to held until the step, to agreed across ranks, to raised.
+- `publisher`: a report into the log and onto disk, before anything raises.
+- `plugins`: the features (core/features/) and how their events are dispatched.
+"""

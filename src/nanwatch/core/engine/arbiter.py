@@ -1,0 +1,188 @@
+"""Agreement: what happens to a detection between the check that finds it and the error every rank raises.
+
+One small state machine per watcher:
+
+    clear --(a check finds inf/nan)--> held --(the optimizer step, or a check that does not hold)--> agreed --> raised
+      |                                                                                                 ^
+      +------------------(another rank posted a detection: this rank learns of it at a check)----------+
+
+- *held*: the report is kept (and, where this rank saw inf/nan itself, already published) until the optimizer
+  step, where a nan on any rank has reached every rank's gradients. In a single process nothing is held: the
+  detection is raised at once. With no guarded optimizer there is no step to wait for: it is raised at once too.
+- *agreed*: ranks settle on one detection through the store (core/ranks.py; no collective): the earliest batch,
+  then the lowest rank, a rank that saw inf/nan itself before one that saw only the shared gradients.
+- *raised*: every rank raises the same `NonFiniteError`; the detecting rank's carries its report. The machine is
+  clear again (a loop that catches the error and goes on starts afresh).
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections.abc import Callable
+from typing import NoReturn
+
+from nanwatch.core.engine.counters import Counters
+from nanwatch.core.engine.publisher import Publisher
+from nanwatch.core.frames import counter_name
+from nanwatch.core.ranks import Detection, DetectionBoard, Kind
+from nanwatch.core.report import Report
+from nanwatch.errors import NonFiniteError
+
+__all__ = ["Arbiter", "Stage", "kind_of"]
+
+
+class Stage(enum.Enum):
+    CLEAR = "clear"  # nothing detected on this rank
+    HELD = "held"  # detected on this rank, held until ranks meet
+
+
+def kind_of(report: Report) -> Kind:
+    """What a detection rests on: what this rank saw itself (a frame holding inf/nan, the sentinel's sum of the model's
+    output), or only the gradients about to be applied, which an all-reduce spreads to every rank."""
+    seen_here = report.section("sentinel") is not None or any(frame.non_finite for frame in report.frames)
+    return "frames" if seen_here else "gradients"
+
+
+class Arbiter:
+    """Holds this rank's detection, settles it with the other ranks, raises the agreed one.
+
+    Args:
+        board: where ranks tell each other of a detection; None in a single process.
+        publisher: logs and writes a report (once per detection) before anything raises.
+        on_raise: called just before the error is raised (the micro-batch ends there).
+    """
+
+    def __init__(
+        self,
+        board: DetectionBoard | None,
+        publisher: Publisher,
+        counters: Counters,
+        logger: logging.Logger,
+        *,
+        rank: int,
+        world_size: int,
+        on_raise: Callable[[], None],
+    ) -> None:
+        self._board = board
+        self._publisher = publisher
+        self._counters = counters
+        self._logger = logger
+        self._rank = rank
+        self._world_size = world_size
+        self._on_raise = on_raise
+        self._held: Report | None = None
+        self._published = False
+
+    @property
+    def stage(self) -> Stage:
+        return Stage.CLEAR if self._held is None else Stage.HELD
+
+    @property
+    def held(self) -> Report | None:
+        """This rank's detection, held until ranks meet; None when clear."""
+        return self._held
+
+    def posted_elsewhere(self) -> bool:
+        """Whether another rank posted a detection (one cheap store read; False in a single process)."""
+        return self._board is not None and self._board.posted_elsewhere()
+
+    def detect(self, report: Report | None) -> None:
+        """A check's result: the first detection is held (later ones are the same story, told again)."""
+        if report is None or self._held is not None:
+            return
+        self._held = report
+        # On disk before anything else: once other ranks learn of it they may exit, and a launcher such as
+        # torchrun can then kill this process before it gets further. Non-finite gradients alone are what
+        # every rank sees after the all-reduce: published only if no rank saw where they came from.
+        if self._board is None or kind_of(report) == "frames":
+            self._publish_held()
+
+    def settle(self, *, hold: bool, wait: bool = True) -> None:
+        """Raise on every rank if this rank or another detected inf/nan; keep holding when `hold` (the adapter
+        checks before each optimizer step, where ranks will meet)."""
+        mine = self._held
+        if mine is None:
+            if self.posted_elsewhere():
+                self._agree_and_raise(None, wait=True)
+            return
+        if self._board is None:
+            self.raise_error(mine, Detection(mine.batch_number, self._rank, mine.phase))
+        if hold:
+            return
+        self._agree_and_raise(mine, wait=wait)
+
+    def release(self) -> Report | None:
+        """Closing: the detection held for a step that never came (published now if it was not), or None."""
+        held = self._held
+        if held is not None and not self._published:
+            self._publish_held()
+        return held
+
+    def _publish_held(self) -> None:
+        assert self._held is not None
+        self._publisher.publish(self._held)
+        self._published = True
+
+    def _agree_and_raise(self, mine: Report | None, *, wait: bool) -> None:
+        """Settle with the other ranks on one detection (bounded by `rank_wait_s`) and raise it."""
+        assert self._board is not None
+        detection = None if mine is None else Detection(mine.batch_number, self._rank, mine.phase, kind_of(mine))
+        try:
+            verdict = self._board.settle(detection, wait=wait)
+        except TimeoutError:
+            return  # nothing was posted after all: nothing to raise
+        except Exception as error:  # the store failed: this rank still stops on what it saw itself
+            self._logger.warning(f"nanwatch could not reach the other ranks ({error!r}); raising on this rank")
+            if detection is None:
+                return
+            verdict = detection
+        if (
+            mine is not None
+            and not self._published
+            and (verdict.batch_number, verdict.rank)
+            == (
+                mine.batch_number,
+                self._rank,
+            )
+        ):
+            self._publish_held()
+        self.raise_error(mine, verdict)
+
+    def raise_error(self, local: Report | None, agreed: Detection) -> NoReturn:
+        """Raise `NonFiniteError`: the same on every rank, for the detecting rank and batch `agreed` names."""
+        self._on_raise()
+        self._held, self._published = None, False  # raised once: it is the caller's now
+        ours = local is not None and (local.batch_number, self._rank) == (agreed.batch_number, agreed.rank)
+        mine = local if ours else None
+        counters = self._counters
+        raise NonFiniteError(
+            self._message(mine, agreed),
+            batch_number=agreed.batch_number,
+            rank=agreed.rank,
+            module_name=mine.module_name if mine is not None else None,
+            report=self._publisher.text(mine) if mine is not None else "",
+            optimizer_step=counters.optimizer_step,
+            epoch=counters.epoch,
+            phase=agreed.phase,
+            culprit=mine.culprit if mine is not None else None,
+        )
+
+    def _message(self, mine: Report | None, agreed: Detection) -> str:
+        where = f" on rank {agreed.rank}" if self._world_size > 1 else ""
+        # A detection no frame holds (the guard's gradients): the section that made it says where it was found.
+        headline = None
+        if mine is not None and kind_of(mine) == "gradients":
+            headline = next((section.headline for section in mine.sections if section.headline), None)
+        if headline is not None:
+            first = headline
+        elif mine is not None and mine.module_name is not None:
+            first = f", first in module {mine.module_name!r}"
+        else:
+            first = ""
+        if mine is not None and mine.culprit is not None:
+            first += f": {mine.culprit}"
+        shown = "the frames that led there" if headline is None else "the last frames recorded, then the gradients"
+        after = f"The report above shows {shown}." if mine is not None else "See that rank's report."
+        during = f"{counter_name(agreed.phase)}={agreed.batch_number}"
+        return f"nanwatch: inf/nan detected during {during}{where}{first}. {after}"

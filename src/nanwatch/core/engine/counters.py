@@ -1,0 +1,93 @@
+"""Where the run is: the phase, each phase's micro-batch counter, the framework's optimizer step and epoch."""
+
+from __future__ import annotations
+
+import logging
+import operator
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from nanwatch.core.events import KEEP, Kept, Phase
+
+__all__ = ["KEEP", "PHASES", "Counters", "Kept"]
+
+PHASES: tuple[Phase, ...] = ("train", "eval")
+
+
+class Counters:
+    """The counters a report and an error carry, and the phase the next frames belong to.
+
+    `batch_number` counts training micro-batches (what transformers' tool calls `batch_number`), `eval_batch_number`
+    evaluation ones; `optimizer_step` and `epoch` are the framework's own counts, None where it keeps none.
+    """
+
+    def __init__(self, logger: logging.Logger) -> None:
+        self.phase: Phase = "train"
+        self.batch_number = 0
+        self.eval_batch_number = 0
+        self.optimizer_step: int | None = None
+        self.epoch: int | None = None
+        self.batch_started = False  # a training forward ran since the last training micro-batch ended
+        self._logger = logger
+
+    @property
+    def current_batch(self) -> int:
+        """The current micro-batch of the current phase."""
+        return self.batch_number if self.phase == "train" else self.eval_batch_number
+
+    @property
+    def last_batch(self) -> int:
+        """The micro-batch that ran last: the current one, except in training between a micro-batch's end and the
+        next one's start (a loop may end the micro-batch before its optimizer step)."""
+        if self.phase == "eval" or self.batch_started or self.batch_number == 0:
+            return self.current_batch
+        return self.batch_number - 1
+
+    def set(self, optimizer_step: Kept = KEEP, epoch: Kept = KEEP) -> None:
+        """The framework's counters as they are now (numpy integers and 0-d tensors are taken as ints)."""
+        if optimizer_step is not KEEP:
+            self.optimizer_step = self.whole_number("optimizer_step", optimizer_step)
+        if epoch is not KEEP:
+            self.epoch = self.whole_number("epoch", epoch)
+
+    def count_optimizer_step(self) -> None:
+        """An optimizer step ran, and the framework keeps no count of its own."""
+        self.optimizer_step = 1 if self.optimizer_step is None else self.optimizer_step + 1
+
+    def advance(self) -> None:
+        """The current micro-batch ended: its phase's counter moves on."""
+        if self.phase == "train":
+            self.batch_number += 1
+            self.batch_started = False
+        else:
+            self.eval_batch_number += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "batch_number": self.batch_number,
+            "eval_batch_number": self.eval_batch_number,
+            "optimizer_step": self.optimizer_step,
+            "epoch": self.epoch,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.batch_number = self.whole_number("batch_number", state["batch_number"]) or 0
+        self.eval_batch_number = self.whole_number("eval_batch_number", state.get("eval_batch_number", 0)) or 0
+        self.optimizer_step = self.whole_number("optimizer_step", state.get("optimizer_step"))
+        self.epoch = self.whole_number("epoch", state.get("epoch"))
+
+    def whole_number(self, name: str, value: object) -> int | None:
+        """A counter as a plain int: frameworks hand over numpy integers, 0-d tensors, integral floats."""
+        if value is None or (isinstance(value, int) and not isinstance(value, bool)):
+            return value
+        try:
+            if isinstance(value, torch.Tensor):
+                value = value.item()
+            if isinstance(value, float) and value.is_integer():
+                return int(value)
+            return operator.index(value)  # type: ignore[arg-type]
+        except (TypeError, ValueError, RuntimeError):
+            self._logger.warning(f"nanwatch: {name} must be a whole number, got {value!r}; reports leave it out")
+            return None

@@ -1,0 +1,366 @@
+"""Recording: a forward hook per watched module makes a frame of what the call saw, eagerly or inside a graph.
+
+One closure per module, with no per-feature dispatch inside it (a feature that needs per-call work registers hooks of
+its own). Every frame, from a hook, a compiled graph, a feature (backward frames) or the loss, joins the pending
+frames through one step, `append`: traced if the batch is traced, and checked early if a loop that never ends its
+batches lets them pile up.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from nanwatch.core.compiler import (
+    forget_compiled_code,
+    nested_code,
+    run_outside_dynamo,
+    stale_compiled_code,
+    with_compiled_code,
+)
+from nanwatch.core.engine.counters import Counters
+from nanwatch.core.frames import Direction, Entry, Frame, Role
+from nanwatch.core.stats.compiled import (
+    Sink,
+    frame_key,
+    frame_template,
+    marker_key,
+    measurements,
+    record_call,
+    record_marker,
+)
+from nanwatch.core.stats.measure import StatsCache, TrackedBatch
+from nanwatch.core.walk import TooDeep, TooMany, walk
+from nanwatch.errors import NanwatchError
+
+__all__ = ["MAX_PENDING_FRAMES", "Recorder", "hook_code", "own_code"]
+
+# A loop that never ends its batches would grow the pending frames without bound; past this many (a few tens of MB),
+# they are checked and moved into the ring (a host read mid-batch, which a loop that ends its batches never pays).
+MAX_PENDING_FRAMES = 20_000
+# Labels built once rather than formatted at every module call.
+_INPUT_LABELS = tuple(f"input[{index}]" for index in range(16))
+_ITEM_SUFFIXES = tuple(f"[{index}]" for index in range(16))
+_PARAMETER, _INPUT, _OUTPUT = Role.PARAMETER, Role.INPUT, Role.OUTPUT
+_FORWARD, _RECOMPUTE = Direction.FORWARD, Direction.RECOMPUTE
+_ROLES = {role.value: role for role in Role}
+# Keyword inputs hold flags, sizes and caches as often as tensors: only values of these kinds are looked into.
+_PLAIN_VALUES = (bool, int, float, str, type(None))
+_PLAIN_PARAMETERS = (torch.nn.Parameter, torch.Tensor)
+_is_compiling = torch.compiler.is_compiling
+# -1 unless autograd runs a backward on this thread: what `hooks.recomputing()` asks, called here directly.
+_graph_task_id = torch._C._current_graph_task_id
+
+FrameHandler = Callable[[Frame, torch.nn.Module, tuple[Any, ...], Any], None]
+
+
+class Recorder:
+    """Makes frames and keeps them pending until the next check.
+
+    Args:
+        counters: where the run is (the phase and micro-batch a frame belongs to).
+        cache: launches the statistics (no host read) and remembers what it measured this batch.
+        show_recomputes: record the forwards activation checkpointing runs again during backward (watch_gradients).
+        trace: called with each frame (and its module, inputs, output) while the batch is traced.
+        overflow: called when the pending frames pass `MAX_PENDING_FRAMES`: check them now.
+        disable: stops watching (the run goes on) after a failure in recording.
+    """
+
+    def __init__(
+        self,
+        counters: Counters,
+        cache: StatsCache,
+        *,
+        show_recomputes: bool,
+        trace: FrameHandler,
+        overflow: Callable[[], None],
+        disable: Callable[[str], None],
+    ) -> None:
+        self.pending: list[Frame] = []
+        self.recording = True  # False in an unwatched batch or phase, or once watching is disabled: hooks return
+        self.tracing = False
+        self.modules: dict[str, torch.nn.Module] = {}  # the watched modules by name, for traced compiled frames
+        self._counters = counters
+        self._cache = cache
+        self._show_recomputes = show_recomputes
+        self._trace = trace
+        self._overflow = overflow
+        self._disable = disable
+        # Under torch.compile the hooks' records arrive here as the graph runs (`_take_compiled`).
+        self.sink = Sink(self._take_compiled)
+        self._outside: list[Callable[[], Any]] = []  # adapter hooks run from inside a graph (`outside_graph`)
+
+    def append(self, frame: Frame, module: torch.nn.Module, args: tuple[Any, ...] = (), output: Any = None) -> None:
+        """The one way a frame joins the pending frames."""
+        pending = self.pending
+        pending.append(frame)
+        if self.tracing:
+            self._trace(frame, module, args, output)
+        if len(pending) > MAX_PENDING_FRAMES:
+            self._overflow()
+
+    def take_pending(self) -> list[Frame]:
+        """The pending frames, handed over to a check (none are pending after)."""
+        pending, self.pending = self.pending, []
+        return pending
+
+    def frame(self, module_name: str, class_name: str, entries: list[Entry], direction: Direction = _FORWARD) -> Frame:
+        """A frame of the current micro-batch."""
+        counters = self._counters
+        phase = counters.phase
+        batch = counters.batch_number if phase == "train" else counters.eval_batch_number
+        return Frame(module_name, class_name, batch, phase, entries, direction)
+
+    def close(self) -> None:
+        self.sink.close()
+        self.modules.clear()
+        self._outside.clear()
+
+    # ----------------------------------------------------------------------------------------- the hot path
+
+    def make_hook(self, name: str, class_name: str) -> Any:
+        """The forward hook (with keyword inputs) that records `name`'s calls."""
+        prefix, kernels, record = frame_key(self.sink.token, name, class_name), self._cache.kernels, self._record
+        show_recomputes = self._show_recomputes
+        known = _ParameterLines()  # this module's parameter lines, made once per batch (`_record`)
+
+        def forward_hook(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+            if not self.recording:
+                return
+            if _is_compiling():
+                # Dynamo is tracing this hook: the statistics go into the graph, the bookkeeping runs after each call
+                # of it (core/stats/compiled.py).
+                record_call(prefix, module, args, kwargs, output, kernels)
+                return
+            # A recompute of activation checkpointing (during backward) repeats a call already recorded, not a new
+            # one: it is part of the backward story, shown with it (watch_gradients) as a frame marked `(recompute)`.
+            direction = _FORWARD
+            if _graph_task_id() != -1:  # `recomputing()`, asked here without a second `_is_compiling()`
+                if not show_recomputes:
+                    return
+                direction = _RECOMPUTE
+            try:
+                record(name, class_name, module, args, kwargs, output, known, direction)
+            except Exception as error:  # our bookkeeping must never kill a healthy run
+                self._disable(f"recording {name or type(module).__name__} failed: {error!r}")
+
+        return forward_hook
+
+    def _record(
+        self,
+        name: str,
+        class_name: str,
+        module: torch.nn.Module,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        output: Any,
+        known: _ParameterLines,
+        direction: Direction,
+    ) -> None:
+        # Runs after every module's forward, right after heavy kernels have flushed the CPU caches, where each
+        # Python operation costs several times what it costs in isolation: keep the work per call minimal. No
+        # `torch.no_grad()` here: measuring works on detached tensors, so it never builds a graph anyway.
+        cache = self._cache
+        params = module._parameters
+        entries = known.lines(params, cache) if params else []
+        activation = cache.activation
+        for index, value in enumerate(args):
+            label = _INPUT_LABELS[index] if index < len(_INPUT_LABELS) else f"input[{index}]"
+            if isinstance(value, torch.Tensor):
+                entries.append(Entry(label, _INPUT, activation(value)))
+            else:
+                self._add_leaves(entries, value, label, _INPUT)
+        if kwargs:
+            self._add_keyword_inputs(entries, kwargs)
+        if isinstance(output, torch.Tensor):
+            entries.append(Entry("output", _OUTPUT, activation(output)))
+        else:
+            self._add_leaves(entries, output, "output", _OUTPUT)
+        self.append(self.frame(name, class_name, entries, direction), module, args, output)
+
+    def _add_keyword_inputs(self, entries: list[Entry], kwargs: dict[str, Any]) -> None:
+        """Keyword inputs, labelled `input.<name>`: their tensors only (None, flags and sizes get no line, so a
+        frame has the lines transformers' tool prints, and the keyword tensors after them)."""
+        activation = self._cache.activation
+        for keyword, value in kwargs.items():
+            if isinstance(value, torch.Tensor):
+                entries.append(Entry("input." + keyword, _INPUT, activation(value)))
+            elif not isinstance(value, _PLAIN_VALUES):
+                for leaf_label, leaf in walk(value, "input." + keyword):
+                    if isinstance(leaf, torch.Tensor):
+                        entries.append(Entry(leaf_label, _INPUT, activation(leaf)))
+
+    def _add_leaves(self, entries: list[Entry], value: Any, label: str, role: Role) -> None:
+        activation = self._cache.activation
+        if type(value) is tuple and len(value) <= len(_ITEM_SUFFIXES):
+            # The common case (attention blocks return `(hidden, None)`): a flat tuple of tensors and Nones needs
+            # no walk. Anything else in it, and the whole value is walked as usual (the same labels: core/walk.py).
+            flat = []
+            for index, item in enumerate(value):
+                if isinstance(item, torch.Tensor):
+                    flat.append(Entry(label + _ITEM_SUFFIXES[index], role, activation(item)))
+                elif item is None:
+                    flat.append(Entry(label + _ITEM_SUFFIXES[index], role, note="None"))
+                else:
+                    break
+            else:
+                entries.extend(flat)
+                return
+        for leaf_label, leaf in walk(value, label):
+            if isinstance(leaf, torch.Tensor):
+                entries.append(Entry(leaf_label, role, activation(leaf)))
+            elif leaf is None:
+                entries.append(Entry(leaf_label, role, note="None"))
+            elif isinstance(leaf, TooDeep):
+                entries.append(Entry(leaf_label, role, note="nested too deep"))
+            elif isinstance(leaf, TooMany):
+                entries.append(Entry(leaf_label, role, note="not shown"))
+            else:
+                entries.append(Entry(leaf_label, role, note="not a tensor"))
+
+    def outside_graph(
+        self, module: torch.nn.Module, hook: Callable[..., Any], *placeholders: Any
+    ) -> Callable[..., Any]:
+        """An adapter's `hook` on `module` (bookkeeping, no code for a graph), as a hook a compiled graph does not
+        trace: dynamo puts one call of nanwatch's operator in its place, and the hook runs, outside the graph, when
+        the graph gets there (given `placeholders` for the arguments after the module, which the graph does not
+        hand over). A torch.nn container compiled whole (`torch.compile(nn.Sequential(...))`) traces its hooks; the
+        root of a user's model runs them as frames of their own, which dynamo compiles too."""
+        key = marker_key(self.sink.token, len(self._outside))
+        self._outside.append(lambda: hook(module, *placeholders))
+
+        def outside(called: torch.nn.Module, *args: Any) -> Any:
+            if _is_compiling():
+                record_marker(key)
+                return None
+            return hook(called, *args)
+
+        return outside
+
+    def _take_compiled(self, key: str, values: list[torch.Tensor], sizes: list[int]) -> None:
+        """A record of a hook call inside a compiled graph, handed over as the graph runs (core/stats/compiled.py):
+        the frame the eager hook would have made, or an adapter hook noted there (`outside_graph`)."""
+        template = frame_template(key)
+        if template.marker is not None:
+            self._outside[template.marker]()  # an adapter's own hook: its errors are the adapter's, as in eager mode
+            return
+        if not self.recording:  # stopped (disabled, an unwatched batch) since the graph began
+            return
+        try:
+            entries = []
+            for leaf, found in zip(template.leaves, measurements(template, values, sizes), strict=True):
+                if isinstance(found, str):
+                    entries.append(Entry(leaf.label, _ROLES[leaf.role], note=found))
+                else:
+                    entries.append(Entry(leaf.label, _ROLES[leaf.role], found))
+            frame = self.frame(template.module_name, template.class_name, entries)
+            self.append(frame, self.modules[frame.module_name])
+        except NanwatchError:
+            raise
+        except Exception as error:  # our bookkeeping must never kill a healthy run
+            self._disable(f"recording {template.module_name or template.class_name} (compiled) failed: {error!r}")
+
+    # ------------------------------------------------------------------------------------------ compiled code
+
+    def forget_stale_compiled_code(
+        self, modules: list[torch.nn.Module], info: Callable[[str], None], warn: Callable[[str], None]
+    ) -> None:
+        """Compiled code made before these hooks existed would run without them (dynamo does not guard on hooks
+        added later), and record nothing: drop it, so the next call compiles again with the hooks in."""
+        forget_compiled_code(with_compiled_code(own_code()))  # an earlier watcher's, compiled as frames of their own
+        run_outside_dynamo(hook_code())
+        stale = stale_compiled_code(modules)
+        if not stale:
+            return
+        # Dynamo may reuse code compiled for another module of the same class (its guards need not name the module),
+        # so whichever module it was made for, it goes: at worst a recompilation.
+        if forget_compiled_code(stale):
+            info(
+                "nanwatch: compiled code (torch.compile) of these modules' forwards existed before watching began; "
+                "it runs no hook added later, so nanwatch dropped it: the next compiled call compiles again, with "
+                "the hooks in"
+            )
+        else:
+            warn(
+                "nanwatch: the model had run compiled (torch.compile) before watching began, and this torch cannot "
+                "drop that compiled code: it will record nothing. Call torch._dynamo.reset() after starting to "
+                "watch, or start watching before the first compiled call."
+            )
+
+
+def hook_code() -> list[types.CodeType]:
+    """The code of nanwatch's module hooks, which a compiled root's `_call_impl` calls outside its `forward`."""
+    return nested_code(Recorder.make_hook, Recorder.outside_graph)
+
+
+def own_code() -> list[types.CodeType]:
+    """nanwatch's code that dynamo may have compiled as frames of their own: the hooks and what they call."""
+    return [*hook_code(), record_call.__code__, record_marker.__code__]
+
+
+class _ParameterLines:
+    """One module's parameter lines. Made once per batch from the parameters' batch measurements, and used again at
+    every later call of the batch; asked of the cache one by one only when a parameter is not tracked, or was changed
+    (version counter, storage) or replaced since it was measured. Each call then costs a check of the parameters'
+    fingerprints, not a lookup per parameter, and the calls of a batch share the line objects (fewer objects for the
+    garbage collector to walk)."""
+
+    __slots__ = ("batch", "entries", "slots", "named")
+
+    def __init__(self) -> None:
+        self.batch: TrackedBatch | None = None  # the batch whose measurements `entries` hold
+        self.entries: list[Entry] = []
+        # Per item of the module's parameter dict: the tensor and where it is among the tracked (-1 for a None); None
+        # until made, or when not every parameter is tracked.
+        self.slots: list[tuple[torch.Tensor | None, int]] | None = None
+        self.named: list[tuple[str, int]] = []
+
+    def lines(self, params: Mapping[str, torch.Tensor | None], cache: StatsCache) -> list[Entry]:
+        slots = self.slots
+        if slots is not None:
+            batch = cache.tracked_batch()
+            if batch is not None and self._unchanged(params, slots, batch):
+                if self.batch is not batch:  # the module's first call of this batch
+                    measurements = batch.measurements
+                    self.entries = [Entry(name, _PARAMETER, measurements[index]) for name, index in self.named]
+                    self.batch = batch
+                return self.entries.copy()
+        return self._make(params, cache)
+
+    @staticmethod
+    def _unchanged(
+        params: Mapping[str, torch.Tensor | None], slots: list[tuple[torch.Tensor | None, int]], batch: TrackedBatch
+    ) -> bool:
+        if len(params) != len(slots):
+            return False
+        versions, pointers = batch.versions, batch.pointers
+        for param, (known, index) in zip(params.values(), slots, strict=True):
+            if param is not known:
+                return False
+            if param is not None and (param._version != versions[index] or param.data_ptr() != pointers[index]):
+                return False
+        return True
+
+    def _make(self, params: Mapping[str, torch.Tensor | None], cache: StatsCache) -> list[Entry]:
+        entries: list[Entry] = []
+        slots: list[tuple[torch.Tensor | None, int]] = []
+        named: list[tuple[str, int]] = []
+        tracked = True
+        for name, param in params.items():
+            if param is None:
+                slots.append((None, -1))
+                continue
+            entries.append(Entry(name, _PARAMETER, cache.parameter(param)))
+            plain = type(param) in _PLAIN_PARAMETERS and param.layout is torch.strided
+            index = cache.index_of(param) if plain else None
+            if index is None:  # measured apart (an inference or sparse tensor, a DTensor): asked for at every call
+                tracked = False
+            else:
+                slots.append((param, index))
+                named.append((name, index))
+        self.slots, self.named = (slots if tracked else None), named
+        self.batch = None  # these lines may hold a changed parameter's own measurement, not the batch's
+        return entries

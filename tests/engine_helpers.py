@@ -1,0 +1,50 @@
+"""The one place tests reach inside a `Watcher`: what no public member offers, named for what a test needs.
+
+Each helper says which part of the engine (core/engine/) it reaches into, so a change there has one place to
+follow here, not a dozen tests.
+"""
+
+from __future__ import annotations
+
+from nanwatch.core.features.headroom import HeadroomMonitor
+from nanwatch.core.features.loss_scale import LossScaleFeature, LossScaleMonitor
+from nanwatch.core.features.summary import SummaryFeature
+from nanwatch.core.ranks import DetectionBoard
+from nanwatch.core.report import Report
+from nanwatch.core.watcher import Watcher
+
+__all__ = ["fail_internally", "headroom", "held_frame_counts", "loss_scale", "publish", "use_board"]
+
+
+def loss_scale(watcher: Watcher) -> LossScaleMonitor | None:
+    """The GradScaler follower (its `history()`, `overflows`), or None before a scaler was handed over."""
+    feature = watcher.feature(LossScaleFeature)
+    return None if feature is None else feature.monitor
+
+
+def headroom(watcher: Watcher) -> HeadroomMonitor | None:
+    """The headroom feature where it is on (its findings, `warned`, `summary()`), else None."""
+    found = watcher.feature(HeadroomMonitor)
+    return found if found is not None and found.active else None
+
+
+def held_frame_counts(watcher: Watcher) -> tuple[int, int, int]:
+    """How many frames the watcher holds: pending (recorder), in the ring (checker), kept for a summary."""
+    summary = watcher.feature(SummaryFeature)
+    assert summary is not None
+    return len(watcher._recorder.pending), len(watcher._checker.ring), len(summary._frames)
+
+
+def use_board(watcher: Watcher, board: DetectionBoard) -> None:
+    """Have the arbiter settle through `board` (a real store in tests that run ranks as threads)."""
+    watcher._arbiter._board = board
+
+
+def publish(watcher: Watcher, report: Report) -> None:
+    """Publish `report` as a detection would (log, report_dir, the features' `on_publish`)."""
+    watcher._publisher.publish(report)
+
+
+def fail_internally(watcher: Watcher, reason: str) -> None:
+    """What the engine does when its own bookkeeping fails: stop watching, warn, and let the run go on."""
+    watcher._disable(reason)
