@@ -47,4 +47,4 @@ def publish(watcher: Watcher, report: Report) -> None:
 
 def fail_internally(watcher: Watcher, reason: str) -> None:
     """What the engine does when its own bookkeeping fails: stop watching, warn, and let the run go on."""
-    watcher._disable(reason)
+    watcher.disable(reason)

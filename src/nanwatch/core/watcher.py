@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import weakref
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import torch
@@ -32,7 +32,9 @@ from nanwatch.core.config import WatchConfig
 from nanwatch.core.contract import AdapterContract
 from nanwatch.core.engine.arbiter import Arbiter
 from nanwatch.core.engine.checker import Checker
+from nanwatch.core.engine.context import EngineView, rank_in
 from nanwatch.core.engine.counters import PHASES, Counters
+from nanwatch.core.engine.notices import nothing_recorded
 from nanwatch.core.engine.plugins import FeatureSet
 from nanwatch.core.engine.publisher import Publisher
 from nanwatch.core.engine.recorder import Recorder, hook_code, own_code
@@ -45,9 +47,9 @@ from nanwatch.core.hooks import HookSet, module_class_name, named_unique_modules
 from nanwatch.core.log import get_logger, warn
 from nanwatch.core.ranks import Detection, DetectionBoard, world_size_and_rank
 from nanwatch.core.readouts import SUMMARY, GradScalerLike, Readout, Summary
-from nanwatch.core.report import Report, ReportSection
+from nanwatch.core.report import Report
 from nanwatch.core.scope import BatchSchedule, select_modules
-from nanwatch.core.stats.measure import Measurement, StatsCache, extra_kernels
+from nanwatch.core.stats.measure import StatsCache, extra_kernels
 from nanwatch.errors import BatchLimitReached
 
 __all__ = ["KEEP", "PHASES", "Watcher"]
@@ -101,14 +103,14 @@ class Watcher:
         self._schedule = BatchSchedule(config)
         self._cache = StatsCache(extra_kernels(config))
         self._counters = Counters(self.logger)
-        self._features = FeatureSet(features_for(config), self._disable)
+        self._features = FeatureSet(features_for(config), self.disable)
         self._recorder = Recorder(
             self._counters,
             self._cache,
             show_recomputes=config.watch_gradients,
             trace=lambda frame, module, args, output: self._features.dispatch("on_frame", frame, module, args, output),
             overflow=lambda: self._checker.check_early(),
-            disable=self._disable,
+            disable=self.disable,
         )
         self._checker = Checker(
             config,
@@ -118,9 +120,9 @@ class Watcher:
             self._features,
             rank=self.rank,
             world_size=self.world_size,
-            disable=self._disable,
+            disable=self.disable,
         )
-        self._publisher = Publisher(config, self.logger, self._schedule, self._features, self._disable)
+        self._publisher = Publisher(config, self.logger, self._schedule, self._features, self.disable)
         board = DetectionBoard.for_this_run(self.rank, self.world_size, config.rank_wait_s)
         self._arbiter = Arbiter(
             board,
@@ -131,7 +133,16 @@ class Watcher:
             world_size=self.world_size,
             on_raise=self._micro_batch_raised,
         )
-        self._features.ctx = _Context(self)
+        self._features.ctx = EngineView(
+            self,
+            self._counters,
+            self._recorder,
+            self._checker,
+            self._publisher,
+            self._features,
+            self._cache,
+            self._schedule,
+        )
         self._update_recording()
 
     # ------------------------------------------------------------------------------------ the adapter contract
@@ -303,37 +314,20 @@ class Watcher:
             )
 
     def _say_if_nothing_recorded(self) -> None:
-        """A watched training batch that recorded no frame at all: say so, once, and why as far as it is known: the
-        hooks were removed (nanwatch raised, or the watcher was closed), code compiled by torch.compile before watching
-        began ran the model (a compiled training step runs no hook added later), or no training forward of the model
-        ran (none at all, or only in eval mode)."""
+        """A watched training batch that recorded no frame at all: say so, once (core/engine/notices.py)."""
         recorded, self._checker.batch_recorded = self._checker.batch_recorded, False
         if recorded or self._told_nothing_recorded or not self._recorder.recording or self.config.mode != "full":
             return
-        if not self.attached:
-            if self._hooked:  # the hooks are gone: close(), or the adapter's own cleanup when nanwatch raised
-                self._told_nothing_recorded = True
-                warn(
-                    "nanwatch: the batches since nanwatch raised (or was closed) are not watched: its hooks went with "
-                    "the error. Watch the model again (nanwatch.watch) to go on watching. (Said once.)"
-                )
-            return
-        if not self._recorder.modules:
-            return
-        self._told_nothing_recorded = True
-        batch = f"batch_number={self._counters.batch_number}"
-        if compiled_anything():
-            warn(
-                f"nanwatch: no watched module recorded anything during {batch}. If the model runs inside code "
-                "compiled by torch.compile before watching began, that code runs no hook added later: start watching "
-                "before the first compiled call, or call torch._dynamo.reset() after starting to watch. (Said once.)"
-            )
-        else:
-            warn(
-                f"nanwatch: no watched module recorded anything during {batch}: no forward of the watched model ran "
-                "in training mode since the previous batch ended (a forward in eval mode is not watched unless "
-                "watch_eval=True). (Said once.)"
-            )
+        notice = nothing_recorded(
+            self._counters.batch_number,
+            attached=self.attached,
+            hooked=self._hooked,
+            modules=bool(self._recorder.modules),
+            compiled=compiled_anything(),
+        )
+        if notice is not None:
+            self._told_nothing_recorded = True
+            warn(notice)
 
     def agreement_point(self, *, hold: bool = True) -> None:
         """Check now (before backward, say) rather than at the end of the micro-batch; a detection raises as in
@@ -372,7 +366,7 @@ class Watcher:
                 entry = Entry("loss", Role.LOSS, self._cache.measure(loss))
             self._recorder.pending.append(self._recorder.frame("(loss)", type(loss).__name__, [entry]))
         except Exception as error:  # our bookkeeping must never kill a healthy run
-            self._disable(f"recording the loss failed: {error!r}")
+            self.disable(f"recording the loss failed: {error!r}")
 
     def watch_scaler(
         self, scaler: GradScalerLike, *, read_scale: Literal["at_batch_end", "when_settled"] = "at_batch_end"
@@ -460,6 +454,11 @@ class Watcher:
         return optimizer in self._guarded_optimizers
 
     @property
+    def guarded(self) -> bool:
+        """Whether an adapter checks before each optimizer step (a detection may be held until then)."""
+        return self._guarded
+
+    @property
     def disabled_reason(self) -> str | None:
         """Why watching stopped after an internal failure, or None while it works."""
         return self._disabled_reason
@@ -504,18 +503,19 @@ class Watcher:
             recorder.tracing = (
                 counters.phase == "train"
                 and counters.batch_number in self.config.trace_batch_nums
-                and _rank_in(self.rank, self.config.trace_ranks)
+                and rank_in(self.rank, self.config.trace_ranks)
             )
             if counters.phase == "train":
                 watched = self._schedule.watched(counters.batch_number)
             else:
                 watched = self.config.watch_eval
         except Exception as error:  # a bug in deciding what to watch must not end the run
-            self._disable(f"deciding whether to watch batch_number={counters.batch_number} failed: {error!r}")
+            self.disable(f"deciding whether to watch batch_number={counters.batch_number} failed: {error!r}")
             return
         recorder.recording = self._disabled_reason is None and watched
 
-    def _disable(self, reason: str) -> None:
+    def disable(self, reason: str) -> None:
+        """Stop watching after a failure in nanwatch itself, with a `NanwatchWarning`; the run goes on."""
         if self._disabled_reason is not None:
             return
         self._disabled_reason = reason
@@ -524,7 +524,7 @@ class Watcher:
         self._recorder.pending.clear()
         warn(f"nanwatch stopped watching (the run goes on): {reason}")
 
-    def _rerun(self, run: Callable[[], Any], *, batch_number: int, phase: Phase, gradients: bool) -> Report | None:
+    def rerun(self, run: Callable[[], Any], *, batch_number: int, phase: Phase, gradients: bool) -> Report | None:
         """Run `run()` (a forward, maybe a backward, of this model) under a full watch of its own, with this
         engine's hooks out of the way; the report of what it saw, or None when it stayed finite."""
         inner = Watcher(self.model, self.config.for_rerun(gradients=gradients), rank=self.rank, world_size=1)
@@ -543,10 +543,6 @@ class Watcher:
         self.logger.info(summary.to_text())
 
 
-def _rank_in(rank: int, ranks: Literal["zero", "all"] | list[int]) -> bool:
-    return ranks == "all" or (rank == 0 if ranks == "zero" else rank in ranks)
-
-
 def _detection_of(report: Report, rank: int) -> Detection:
     return Detection(report.batch_number, rank, report.phase)
 
@@ -556,73 +552,6 @@ def _held(module: torch.nn.Module | None, ref: weakref.ref[torch.nn.Module], wha
     if found is None:
         raise ReferenceError(f"nanwatch: the watched {what} no longer exists (this watcher was closed, and let it go)")
     return found
-
-
-class _Read:
-    """A read-only view of one attribute of the engine (or of one of its parts), for the context below."""
-
-    def __init__(self, *path: str) -> None:
-        self.path = path
-
-    def __get__(self, context: _Context, owner: type | None = None) -> Any:
-        found: Any = context._engine
-        for name in self.path:
-            found = getattr(found, name)
-        return found
-
-
-class _Context:
-    """The `EngineContext` features get: a narrow view of one engine (core/events.py)."""
-
-    model, entry, config = _Read("model"), _Read("entry"), _Read("config")
-    rank, world_size, logger, hooks = _Read("rank"), _Read("world_size"), _Read("logger"), _Read("hooks")
-    phase, batch_number, current_batch = _Read("phase"), _Read("batch_number"), _Read("current_batch")
-    optimizer_step, epoch, recording = _Read("optimizer_step"), _Read("epoch"), _Read("recording")
-    tracing, disabled_reason = _Read("tracing"), _Read("disabled_reason")
-    guarded, frames_finite = _Read("_guarded"), _Read("_checker", "frames_finite")
-    summary_sink = _Read("summary_sink")
-
-    def __init__(self, engine: Watcher) -> None:
-        self._engine = engine
-
-    def rank_logs(self, ranks: Literal["zero", "all"] | list[int]) -> bool:
-        return _rank_in(self._engine.rank, ranks)
-
-    def watches_batch(self, batch_number: int) -> bool:
-        return self._engine._schedule.watched(batch_number)
-
-    def measure(self, tensor: torch.Tensor) -> Measurement:
-        return self._engine._cache.measure(tensor)
-
-    def add_frame(self, frame: Frame, module: torch.nn.Module) -> None:
-        self._engine._recorder.append(frame, module)
-
-    def trace_frame(self, frame: Frame, module: torch.nn.Module) -> None:
-        if self._engine._recorder.tracing:
-            self._engine._features.dispatch("on_frame", frame, module, (), None)
-
-    def is_last_pending(self, frame: Frame) -> bool:
-        pending = self._engine._recorder.pending
-        return bool(pending) and pending[-1] is frame
-
-    def detection_report(self, section: ReportSection, module_name: str | None) -> Report:
-        return self._engine._checker.detection_report(section, module_name)
-
-    def rerun(self, run: Callable[[], Any], *, batch_number: int, phase: Phase, gradients: bool) -> Report | None:
-        return self._engine._rerun(run, batch_number=batch_number, phase=phase, gradients=gradients)
-
-    def report_for(self, frames: Sequence[Frame]) -> Report | None:
-        checker = self._engine._checker
-        return checker.report_of(frames) if checker.screen(frames, features=False)[0] else None
-
-    def keep_as_context(self, frames: Iterable[Frame]) -> None:
-        self._engine._checker.ring.extend(frames)
-
-    def publish(self, report: Report) -> None:
-        self._engine._publisher.publish(report)
-
-    def disable(self, reason: str) -> None:
-        self._engine._disable(reason)
 
 
 if TYPE_CHECKING:

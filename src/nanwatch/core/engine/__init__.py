@@ -7,3 +7,5 @@
 - `publisher`: a report into the log and onto disk, before anything raises.
 - `plugins`: the features (core/features/) and how their events are dispatched.
 """
+
+__all__: list[str] = []

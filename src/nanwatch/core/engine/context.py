@@ -1,0 +1,143 @@
+"""The `EngineContext` features get (core/events.py): a narrow view of one engine, read through its parts."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Literal, Protocol
+
+import torch
+
+from nanwatch.core.config import WatchConfig
+from nanwatch.core.engine.checker import Checker
+from nanwatch.core.engine.counters import Counters
+from nanwatch.core.engine.plugins import FeatureSet
+from nanwatch.core.engine.publisher import Publisher
+from nanwatch.core.engine.recorder import Recorder
+from nanwatch.core.events import Phase
+from nanwatch.core.frames import Frame
+from nanwatch.core.hooks import HookSet
+from nanwatch.core.readouts import Summary
+from nanwatch.core.report import Report, ReportSection
+from nanwatch.core.scope import BatchSchedule
+from nanwatch.core.stats.measure import Measurement, StatsCache
+
+__all__ = ["EngineView", "rank_in"]
+
+Rerun = Callable[..., "Report | None"]
+
+
+class _Facade(Protocol):
+    """What the view reads of the facade itself (core/watcher.py) rather than of a part."""
+
+    @property
+    def model(self) -> torch.nn.Module: ...
+    @property
+    def entry(self) -> torch.nn.Module: ...
+    @property
+    def config(self) -> WatchConfig: ...
+    @property
+    def rank(self) -> int: ...
+    @property
+    def world_size(self) -> int: ...
+    @property
+    def logger(self) -> logging.Logger: ...
+    @property
+    def hooks(self) -> HookSet: ...
+    @property
+    def guarded(self) -> bool: ...
+    @property
+    def disabled_reason(self) -> str | None: ...
+    @property
+    def summary_sink(self) -> Callable[[Summary], None] | None: ...
+    def rerun(self, run: Callable[[], Any], *, batch_number: int, phase: Phase, gradients: bool) -> Report | None: ...
+    def disable(self, reason: str) -> None: ...
+
+
+def rank_in(rank: int, ranks: Literal["zero", "all"] | list[int]) -> bool:
+    """Whether `rank` is one of `ranks`, as `trace_ranks` names them."""
+    return ranks == "all" or (rank == 0 if ranks == "zero" else rank in ranks)
+
+
+class EngineView:
+    """Implements `EngineContext` over the facade and the parts it wires."""
+
+    def __init__(
+        self,
+        facade: _Facade,
+        counters: Counters,
+        recorder: Recorder,
+        checker: Checker,
+        publisher: Publisher,
+        features: FeatureSet,
+        cache: StatsCache,
+        schedule: BatchSchedule,
+    ) -> None:
+        self._facade = facade
+        self._counters = counters
+        self._recorder = recorder
+        self._checker = checker
+        self._publisher = publisher
+        self._features = features
+        self._cache = cache
+        self._schedule = schedule
+
+    # What the facade holds.
+    model = property(lambda self: self._facade.model)
+    entry = property(lambda self: self._facade.entry)
+    config = property(lambda self: self._facade.config)
+    rank = property(lambda self: self._facade.rank)
+    world_size = property(lambda self: self._facade.world_size)
+    logger = property(lambda self: self._facade.logger)
+    hooks = property(lambda self: self._facade.hooks)
+    guarded = property(lambda self: self._facade.guarded)
+    disabled_reason = property(lambda self: self._facade.disabled_reason)
+    summary_sink = property(lambda self: self._facade.summary_sink)
+    # What the parts hold.
+    phase = property(lambda self: self._counters.phase)
+    batch_number = property(lambda self: self._counters.batch_number)
+    current_batch = property(lambda self: self._counters.current_batch)
+    optimizer_step = property(lambda self: self._counters.optimizer_step)
+    epoch = property(lambda self: self._counters.epoch)
+    recording = property(lambda self: self._recorder.recording)
+    tracing = property(lambda self: self._recorder.tracing)
+    frames_finite = property(lambda self: self._checker.frames_finite)
+
+    def rank_logs(self, ranks: Literal["zero", "all"] | list[int]) -> bool:
+        return rank_in(self._facade.rank, ranks)
+
+    def watches_batch(self, batch_number: int) -> bool:
+        return self._schedule.watched(batch_number)
+
+    def measure(self, tensor: torch.Tensor) -> Measurement:
+        return self._cache.measure(tensor)
+
+    def add_frame(self, frame: Frame, module: torch.nn.Module) -> None:
+        self._recorder.append(frame, module)
+
+    def trace_frame(self, frame: Frame, module: torch.nn.Module) -> None:
+        if self._recorder.tracing:
+            self._features.dispatch("on_frame", frame, module, (), None)
+
+    def is_last_pending(self, frame: Frame) -> bool:
+        pending = self._recorder.pending
+        return bool(pending) and pending[-1] is frame
+
+    def detection_report(self, section: ReportSection, module_name: str | None) -> Report:
+        return self._checker.detection_report(section, module_name)
+
+    def rerun(self, run: Callable[[], Any], *, batch_number: int, phase: Phase, gradients: bool) -> Report | None:
+        return self._facade.rerun(run, batch_number=batch_number, phase=phase, gradients=gradients)
+
+    def report_for(self, frames: Sequence[Frame]) -> Report | None:
+        checker = self._checker
+        return checker.report_of(frames) if checker.screen(frames, features=False)[0] else None
+
+    def keep_as_context(self, frames: Iterable[Frame]) -> None:
+        self._checker.ring.extend(frames)
+
+    def publish(self, report: Report) -> None:
+        self._publisher.publish(report)
+
+    def disable(self, reason: str) -> None:
+        self._facade.disable(reason)
