@@ -16,4 +16,5 @@ def test_import_linter_contracts_are_kept() -> None:
         [str(script), "--no-cache"], cwd=REPO, capture_output=True, text=True, timeout=120, check=False
     )
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "Contracts: 3 kept, 0 broken." in result.stdout
+    contracts = (REPO / "pyproject.toml").read_text(encoding="utf-8").count("[[tool.importlinter.contracts]]")
+    assert f"Contracts: {contracts} kept, 0 broken." in result.stdout  # every contract ran, the cli's included

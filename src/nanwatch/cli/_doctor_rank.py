@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from nanwatch.cli.doctor import (
+from nanwatch.cli._doctor_common import (
     _ALL_REDUCE_NUMEL,
     _DEBUG_ENV,
     _STARTED_DIR_ENV,

@@ -7,11 +7,11 @@ Exit status: 0 when nanwatch stopped the run at an inf/nan (what the demo is for
 from __future__ import annotations
 
 import argparse
-import math
 from typing import TYPE_CHECKING, Any
 
 from nanwatch.cli import COMMANDS
 from nanwatch.cli.options import add_config_arguments, config_from_args
+from nanwatch.cli.validators import NON_NEGATIVE_INT, POSITIVE_FLOAT
 from nanwatch.core.config import WatchConfig
 from nanwatch.errors import BatchLimitReached, NonFiniteError
 
@@ -89,28 +89,8 @@ def register(subparsers: Any) -> None:
             "status: 0 when nanwatch stopped the run at an inf/nan, 1 when none came within --steps, 2 on bad input."
         ),
     )
-    parser.add_argument("--steps", type=_steps, default=50, help="most batches to train (default: 50)")
-    parser.add_argument("--lr", type=_learning_rate, default=0.01, help="learning rate, > 0 (default: 0.01)")
+    parser.add_argument("--steps", type=NON_NEGATIVE_INT, default=50, help="most batches to train (default: 50)")
+    parser.add_argument("--lr", type=POSITIVE_FLOAT, default=0.01, help="learning rate, > 0 (default: 0.01)")
     # --config FILE and one option per WatchConfig field; the demo shows a shorter report by default.
     add_config_arguments(parser, defaults={"max_frames_to_save": 8})
     parser.set_defaults(func=_run, parser=parser)
-
-
-def _steps(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}")
-    return value
-
-
-def _learning_rate(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not 0 < value < math.inf:
-        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}")
-    return value

@@ -32,6 +32,7 @@ from nanwatch.cli import COMMANDS
 from nanwatch.cli.inputs import read_jsonl_blocks
 from nanwatch.cli.options import ToolHelpFormatter, add_config_arguments, fields_epilog, tool_config
 from nanwatch.cli.show import chosen_modules, restrict
+from nanwatch.cli.validators import NON_NEGATIVE_FLOAT, NON_NEGATIVE_INT
 from nanwatch.core.formats.jsonl import Block, JsonlError, LineRecord, parse_source
 from nanwatch.core.report import trailing_text
 from nanwatch.core.stats import registry
@@ -280,26 +281,6 @@ def load_block(spec: str) -> tuple[Block, str | None]:
     return blocks[-1], note
 
 
-def _non_negative(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value >= 0 or math.isinf(value):
-        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
-    return value
-
-
-def _context(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}")
-    return value
-
-
 def run_diff(
     a_spec: str,
     b_spec: str,
@@ -375,11 +356,16 @@ def register(subparsers: Any) -> None:
     parser.add_argument("a", metavar="A", help="FILE[:BATCH]: a .jsonl trace or report written by nanwatch")
     parser.add_argument("b", metavar="B", help="FILE[:BATCH]: the one to compare with A")
     parser.add_argument(
-        "--rtol", type=_non_negative, default=1e-3, help="relative tolerance on abs max (default: 1e-3)"
+        "--rtol", type=NON_NEGATIVE_FLOAT, default=1e-3, help="relative tolerance on abs max (default: 1e-3)"
     )
-    parser.add_argument("--atol", type=_non_negative, default=0.0, help="absolute tolerance on abs max (default: 0)")
     parser.add_argument(
-        "--context", type=_context, default=3, help="lines shown on each side of the first divergence (default: 3)"
+        "--atol", type=NON_NEGATIVE_FLOAT, default=0.0, help="absolute tolerance on abs max (default: 0)"
+    )
+    parser.add_argument(
+        "--context",
+        type=NON_NEGATIVE_INT,
+        default=3,
+        help="lines shown on each side of the first divergence (default: 3)",
     )
     add_config_arguments(parser, used=USED_FIELDS)
     parser.set_defaults(func=_run, parser=parser)

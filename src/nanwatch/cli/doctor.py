@@ -30,25 +30,37 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from nanwatch.cli import COMMANDS
+from nanwatch.cli._doctor_common import (
+    _DEBUG_ENV,
+    _STARTED_DIR_ENV,
+    _WATCHDOG_GRACE_S,
+    SIMULATE_ABSENT_RANK_ENV,
+    SUMMARY_STEM,
+    _err,
+    _rank_args,
+    _ranks_phrase,
+    _say,
+    verdict_name,
+)
+from nanwatch.cli._doctor_common import (
+    _compact as _compact,  # tests reach it here
+)
 from nanwatch.cli.options import ToolHelpFormatter, add_config_arguments, fields_epilog, tool_config
 from nanwatch.cli.usage import CliError
+from nanwatch.cli.validators import PORT, POSITIVE_FLOAT, RANK, RANK_COUNT, SECONDS
 
-__all__ = ["register", "find_free_port", "torchrun_command", "verdict_name", "USED_FIELDS", "SUMMARY_STEM"]
+__all__ = [
+    "register",
+    "find_free_port",
+    "torchrun_command",
+    "verdict_name",
+    "USED_FIELDS",
+    "SUMMARY_STEM",
+    "SIMULATE_ABSENT_RANK_ENV",
+]
 
 DEFAULT_TIMEOUT_S = 60.0
 
-# Testing aid (documented in docs/doctor.md): the rank named here sleeps instead of entering the barrier, so the
-# other ranks see a real process that joined the group but never arrives, and must name it.
-SIMULATE_ABSENT_RANK_ENV = "NANWATCH_DOCTOR_SIMULATE_ABSENT_RANK"
-# Set by `nanwatch doctor --nproc` for the workers it starts: each one touches a file there, so the launcher can tell
-# "the workers never started" (torchrun's rendezvous failed) from "a worker failed a check".
-_STARTED_DIR_ENV = "NANWATCH_DOCTOR_STARTED_DIR"
-_DEBUG_ENV = {"NCCL_DEBUG": "INFO", "TORCH_DISTRIBUTED_DEBUG": "DETAIL", "TORCH_CPP_LOG_LEVEL": "INFO"}
-# A stage may overrun its own timeout by this much (process start-up, slow first CUDA call) before the watchdog ends it.
-_WATCHDOG_GRACE_S = 15.0
-_ALL_REDUCE_NUMEL = 1 << 20  # float32 elements: 4 MiB, big enough to exercise the transport, small enough for a CPU
-# In report_dir: rank zero's summary, and each failing rank's diagnosis (`{SUMMARY_STEM}-rank{R}`), as .txt and .json.
-SUMMARY_STEM = "nanwatch-doctor"
 _SEE_HELP = "see nanwatch doctor --help"
 
 # The WatchConfig fields `nanwatch doctor` applies, and what each does here (printed by --help).
@@ -78,15 +90,13 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     launch = parser.add_argument_group("launching (ignored when already started by torchrun)")
     launch.add_argument(
         "--nproc",
-        type=_positive_int,
+        type=RANK_COUNT,
         default=None,
         metavar="N",
         help="processes on this node (default: one per GPU, or 1)",
     )
-    launch.add_argument("--nnodes", type=_positive_int, default=1, metavar="N", help="number of nodes (default: 1)")
-    launch.add_argument(
-        "--node-rank", type=_non_negative_int, default=0, metavar="R", help="this node's rank (default: 0)"
-    )
+    launch.add_argument("--nnodes", type=RANK_COUNT, default=1, metavar="N", help="number of nodes (default: 1)")
+    launch.add_argument("--node-rank", type=RANK, default=0, metavar="R", help="this node's rank (default: 0)")
     launch.add_argument(
         "--master-addr",
         default="127.0.0.1",
@@ -95,7 +105,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     launch.add_argument(
         "--master-port",
-        type=_port,
+        type=PORT,
         default=None,
         metavar="PORT",
         help="rendezvous port on the master node (default: a free port when --nnodes is 1, else 29500)",
@@ -103,7 +113,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     check = parser.add_argument_group("checks")
     check.add_argument(
         "--timeout",
-        type=_positive_float,
+        type=SECONDS,
         default=DEFAULT_TIMEOUT_S,
         metavar="SECONDS",
         help=f"seconds each stage may take before the missing ranks are named (default: {DEFAULT_TIMEOUT_S:g})",
@@ -116,7 +126,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     check.add_argument(
         "--alloc-mb",
-        type=_positive_float,
+        type=POSITIVE_FLOAT,
         default=64.0,
         metavar="MIB",
         help="MiB to allocate on each device (default: 64)",
@@ -202,11 +212,6 @@ def torchrun_command(
     return [*command, "-m", "nanwatch", "doctor", *doctor_args]
 
 
-def verdict_name(rank: int | None) -> str:
-    """The file a rank started by `--nproc` leaves its verdict line in (rank None: rank 0's summary)."""
-    return "verdict-summary.txt" if rank is None else f"verdict-rank{rank}.txt"
-
-
 def _launch(args: argparse.Namespace) -> int:
     nproc = args.nproc if args.nproc is not None else _default_nproc()
     if args.node_rank >= args.nnodes:
@@ -286,15 +291,6 @@ def _read(path: Path) -> str:
     return path.read_text(encoding="utf-8").rstrip("\n")
 
 
-def _rank_args(args: argparse.Namespace) -> list[str]:
-    """The options each rank runs with: everything but the launcher's own."""
-    rank_args = ["--timeout", f"{args.timeout:g}", "--backend", args.backend, "--alloc-mb", f"{args.alloc_mb:g}"]
-    # The config was read here already: each rank gets the fields doctor uses, not the file.
-    if args.report_dir is not None:
-        rank_args += ["--report-dir", str(args.report_dir)]
-    return [*rank_args, "--debug"] if args.debug else rank_args
-
-
 def _run_bounded(command: list[str], env: dict[str, str], deadline_s: float, log: Path) -> int | None:
     # A new session, so that on overrun the whole tree we started (torchrun and its workers) can be stopped together.
     with log.open("ab") as output:
@@ -317,80 +313,3 @@ def _default_nproc() -> int:
     import torch  # only to count GPUs: `nanwatch doctor --help` never imports it
 
     return max(torch.cuda.device_count(), 1) if torch.cuda.is_available() else 1
-
-
-# --------------------------------------------------------------------------------------------------------------------
-# Small helpers
-
-
-def _ranks_phrase(ranks: list[int]) -> str:
-    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {_compact(ranks)}"
-
-
-def _compact(numbers: list[int]) -> str:
-    """`[0, 1, 2, 5, 7, 8]` -> `"0-2, 5, 7-8"`."""
-    parts: list[str] = []
-    ordered = sorted(numbers)
-    start = previous = ordered[0]
-    for number in [*ordered[1:], None]:
-        if number is not None and number == previous + 1:
-            previous = number
-            continue
-        parts.append(str(start) if start == previous else f"{start}-{previous}")
-        if number is not None:
-            start = previous = number
-    return ", ".join(parts)
-
-
-def _one_line(error: BaseException) -> str:
-    text = " ".join(str(error).split())
-    text = text.rstrip(".")
-    return (text[:400] + "...") if len(text) > 400 else text or type(error).__name__
-
-
-def _say(line: str) -> None:
-    # The doctor's result is its standard output; full lines, flushed, so ranks' lines do not interleave mid-line.
-    sys.stdout.write(line + "\n")
-    sys.stdout.flush()
-
-
-def _err(line: str) -> None:
-    sys.stderr.write(line + "\n")
-    sys.stderr.flush()
-
-
-def _number(text: str, kind: type[int] | type[float]) -> int | float:
-    try:
-        return kind(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected {'an integer' if kind is int else 'a number'}, got {text!r}"
-        ) from None
-
-
-def _positive_int(text: str) -> int:
-    value = int(_number(text, int))
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    value = int(_number(text, int))
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    value = float(_number(text, float))
-    if not value > 0 or math.isinf(value):
-        raise argparse.ArgumentTypeError(f"must be a positive, finite number, got {text!r}")
-    return value
-
-
-def _port(text: str) -> int:
-    value = int(_number(text, int))
-    if not 0 < value < 65536:
-        raise argparse.ArgumentTypeError(f"must be a TCP port in 1-65535, got {value}")
-    return value

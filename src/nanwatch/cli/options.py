@@ -18,7 +18,22 @@ the config file of the training runs drives them too. Each uses a few fields; `a
 used=...)` still accepts the others (a shared config file loads; an unused option given on the line gets a note) but
 leaves them out of `--help`, `fields_epilog` says what each used field does there, and `tool_config` says which fields
 were given at all, so a tool applies a field only when it was set (a file's `max_frames_to_save: 50`, not the default
-21).
+21). The text-to-value checks are `nanwatch.cli.validators`, shared with the commands' own options.
+
+Why argparse, and not a library that derives the command line from the model (tried: pydantic-settings 2.16's
+`CliSettingsSource` with kebab case, implicit flags and `cli_parse_none_str="none"`; jsonargparse 4.53, which
+LightningCLI uses): each changes command lines that work today.
+- pydantic-settings takes a list as one token per flag (`--trace-batch-nums 149 --trace-batch-nums 150`, or
+  `149,150`): `--trace-batch-nums 149 150` and `--trace-ranks 0 2` stop with "unrecognized arguments",
+  `--trace-batch-nums` alone (the empty list) is refused, and `--trace-ranks all` fails validation (it reaches the
+  model as `['all']`). `WatchConfig` would have to become a `BaseSettings`, which also reads environment variables.
+- jsonargparse names the options `--max_frames_to_save` (no `--max-frames-to-save`), a bool takes a value
+  (`--watch_eval true`, no `--no-watch-eval`), a list is JSON (`--trace_batch_nums [149,150]`), `none` is not
+  None (only `null` is; `--report-dir none` is the path "none"), and its errors span several lines.
+- Neither knows this module's other half (a command's own defaults between the model's and the file's, fields
+  accepted but left out of `--help`, which fields the file and the line set), and each costs start-up time on
+  `show`/`diff`/`plot`: importing it after pydantic and `WatchConfig` took 56 ms (pydantic-settings) and 33 ms
+  (jsonargparse) here, as much as this module itself (33 ms).
 """
 
 from __future__ import annotations
@@ -36,6 +51,7 @@ from typing import Any, Literal, Union, get_args, get_origin
 from pydantic import ValidationError
 from pydantic.fields import FieldInfo
 
+from nanwatch.cli import validators
 from nanwatch.core.config import ConfigError, WatchConfig, echo, read_config_file
 
 __all__ = [
@@ -54,7 +70,6 @@ __all__ = [
 _DEST_PREFIX = "watch_config."
 _FILE_DEST = "watch_config_file"
 _DEFAULTS_DEST = "watch_config_defaults"
-_NONE_WORDS = frozenset({"none", "null"})
 
 
 @dataclass(frozen=True)
@@ -302,110 +317,74 @@ def _show(value: object) -> str:
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# From a type hint to an argparse option
+# From a type hint to an argparse option: bool, a scalar (int, float, str, Path, Literal), a list of one, an optional
+# one (`none` clears it), or a union of scalars and lists tried in order (`trace_ranks`: "zero" | "all" | list[int]).
 
 
 def _option_for(name: str, info: FieldInfo) -> ConfigOption:
-    annotation = info.annotation
-    flag = _flag(name)
     kwargs: dict[str, Any] = {
         "dest": _DEST_PREFIX + name,
         "default": argparse.SUPPRESS,  # absent unless given, so the file's value stands
         # argparse expands %-formats in help: a description's "1%" must reach it as "1%%".
         "help": (info.description or name).rstrip(".").replace("%", "%%"),
     }
-    members = _union_members(annotation)
+    members = list(get_args(info.annotation)) if get_origin(info.annotation) in _UNIONS else [info.annotation]
     optional = type(None) in members
     members = [m for m in members if m is not type(None)]
-    if len(members) == 1 and members[0] is bool and not optional:
+    only = members[0] if len(members) == 1 else None
+    none = "|none" if optional else ""
+    if only is bool and not optional:
         kwargs["action"] = argparse.BooleanOptionalAction
-        return ConfigOption(name, flag, kwargs)
-    if len(members) == 1 and get_origin(members[0]) is list:
-        element = _list_element(members[0], name)
-        kwargs.update(nargs="*", type=_scalar_parser(element, name), metavar=_metavar(element))
-        return ConfigOption(name, flag, kwargs)
-    if len(members) == 1 and _is_scalar(members[0]):
-        parse = _scalar_parser(members[0], name)
-        kwargs.update(type=_or_none(parse) if optional else parse, metavar=_metavar(members[0], optional))
-        return ConfigOption(name, flag, kwargs)
-    if all(_is_scalar(m) or get_origin(m) is list for m in members):
+    elif not all(_is_scalar(m) or _is_scalar_list(m) for m in members):
+        raise TypeError(f"WatchConfig.{name}: no command-line form for type {info.annotation!r}; add one in {__name__}")
+    elif _is_scalar_list(only):
+        kwargs.update(nargs="*", type=_check(get_args(only)[0]), metavar=_metavar(get_args(only)[0]))
+    elif only is not None:
+        check = _check(only)
+        kwargs.update(type=validators.or_none(check) if optional else check, metavar=_metavar(only) + none)
+    else:
+        # e.g. "zero|all|N": each token is one of the alternatives (a list takes several tokens).
         kwargs.update(
-            nargs="+" if any(get_origin(m) is list for m in members) else None,
-            action=_union_action(members, optional, name),
-            # e.g. "zero|all|N": each token is one of the alternatives (a list takes several tokens).
-            metavar="|".join(_metavar(get_args(m)[0] if get_origin(m) is list else m) for m in members)
-            + ("|none" if optional else ""),
+            nargs="+" if any(_is_scalar_list(m) for m in members) else None,
+            action=_union_action(members, optional),
+            metavar="|".join(_metavar(get_args(m)[0] if _is_scalar_list(m) else m) for m in members) + none,
         )
-        return ConfigOption(name, flag, kwargs)
-    raise TypeError(f"WatchConfig.{name}: no command-line form for type {annotation!r}; add one in {__name__}")
+    return ConfigOption(name, _flag(name), kwargs)
 
 
-def _union_members(annotation: Any) -> list[Any]:
-    if get_origin(annotation) in (Union, types.UnionType):
-        return list(get_args(annotation))
-    return [annotation]
-
-
-def _list_element(annotation: Any, name: str) -> Any:
-    args = get_args(annotation)
-    if len(args) != 1 or not _is_scalar(args[0]):
-        raise TypeError(f"WatchConfig.{name}: no command-line form for list type {annotation!r}")
-    return args[0]
+_UNIONS = (Union, types.UnionType)
 
 
 def _is_scalar(annotation: Any) -> bool:
     return annotation in (int, float, str, Path) or get_origin(annotation) is Literal
 
 
-def _scalar_parser(annotation: Any, name: str) -> Callable[[str], Any]:
+def _is_scalar_list(annotation: Any) -> bool:
+    args = get_args(annotation)
+    return get_origin(annotation) is list and len(args) == 1 and _is_scalar(args[0])
+
+
+def _check(annotation: Any) -> Callable[[str], Any]:
     if get_origin(annotation) is Literal:
-        choices = get_args(annotation)
-
-        def parse_literal(text: str) -> Any:
-            for choice in choices:
-                if text == str(choice):
-                    return choice
-            raise argparse.ArgumentTypeError(f"expected one of {', '.join(map(str, choices))}, got {text!r}")
-
-        return parse_literal
-    kind: Callable[[str], Any] = annotation
-
-    def parse(text: str) -> Any:
-        try:
-            return kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {_describe_type(annotation)}, got {text!r}") from None
-
-    parse.__name__ = getattr(annotation, "__name__", name)
-    return parse
+        return validators.choice(get_args(annotation))
+    return validators.typed(annotation)
 
 
-def _or_none(parse: Callable[[str], Any]) -> Callable[[str], Any]:
-    def parse_optional(text: str) -> Any:
-        return None if text.lower() in _NONE_WORDS else parse(text)
-
-    return parse_optional
-
-
-def _union_action(members: list[Any], optional: bool, name: str) -> type[argparse.Action]:
+def _union_action(members: list[Any], optional: bool) -> type[argparse.Action]:
     """An action that tries each alternative in order, e.g. `"zero" | "all" | list[int]`."""
 
     def convert(tokens: list[str]) -> Any:
-        if optional and len(tokens) == 1 and tokens[0].lower() in _NONE_WORDS:
+        if optional and len(tokens) == 1 and tokens[0].lower() in validators.NONE_WORDS:
             return None
         for member in members:
-            if get_origin(member) is list:
-                parse = _scalar_parser(_list_element(member, name), name)
-                try:
-                    return [parse(token) for token in tokens]
-                except argparse.ArgumentTypeError:
-                    continue
-            elif len(tokens) == 1:
-                try:
-                    return _scalar_parser(member, name)(tokens[0])
-                except argparse.ArgumentTypeError:
-                    continue
-        wanted = " or ".join(_describe_type(m) for m in members)
+            try:
+                if _is_scalar_list(member):
+                    return [_check(get_args(member)[0])(token) for token in tokens]
+                if len(tokens) == 1:
+                    return _check(member)(tokens[0])
+            except argparse.ArgumentTypeError:
+                continue
+        wanted = " or ".join(_describe(m) for m in members)
         raise ValueError(f"expected {wanted}, got {' '.join(tokens)!r}")
 
     class UnionAction(argparse.Action):
@@ -425,21 +404,15 @@ def _union_action(members: list[Any], optional: bool, name: str) -> type[argpars
     return UnionAction
 
 
-def _describe_type(annotation: Any) -> str:
+def _describe(annotation: Any) -> str:
     if get_origin(annotation) is Literal:
         return "one of " + ", ".join(repr(c) for c in get_args(annotation))
     if get_origin(annotation) is list:
-        element = get_args(annotation)[0]
-        plural = {int: "integers", float: "numbers", str: "strings", Path: "paths"}.get(element, repr(element))
-        return f"a list of {plural}"
-    return {int: "an integer", float: "a number", str: "a string", Path: "a path"}.get(annotation, repr(annotation))
+        return f"a list of {validators.noun(get_args(annotation)[0], plural=True)}"
+    return validators.noun(annotation)
 
 
-def _metavar(annotation: Any, optional: bool = False) -> str:
+def _metavar(annotation: Any) -> str:
     if get_origin(annotation) is Literal:
-        text = "|".join(str(c) for c in get_args(annotation))
-    elif get_origin(annotation) is list:
-        text = f"{_metavar(get_args(annotation)[0])} ..."
-    else:
-        text = {int: "N", float: "X", str: "TEXT", Path: "PATH"}.get(annotation, "VALUE")
-    return f"{text}|none" if optional else text
+        return "|".join(str(c) for c in get_args(annotation))
+    return validators.metavar(annotation)

@@ -43,18 +43,34 @@ import argparse
 import math
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
 from nanwatch.cli import COMMANDS
+from nanwatch.cli._plot_common import (
+    _WHAT,
+    DIRECTIONS,
+    FORMATS,
+    HEADROOM_COLOUR,
+    INF_COLOUR,
+    MISSING_COLOUR,
+    NAN_COLOUR,
+    SMALLEST_NORMAL,
+    ZERO_COLOUR,
+    Heatmap,
+    PlotResult,
+    dtype_max,
+    image_format,
+    matplotlib_or_error,
+    save_figure,
+)
 from nanwatch.cli.inputs import read_jsonl_blocks
 from nanwatch.cli.options import ToolHelpFormatter, add_config_arguments, fields_epilog, tool_config
 from nanwatch.cli.show import chosen_modules, restrict
 from nanwatch.cli.usage import CliError
+from nanwatch.cli.validators import ABS_MAX, POSITIVE_INT
 from nanwatch.core.formats.jsonl import Block
 from nanwatch.core.frames import Direction
-from nanwatch.core.stats.dtypes import FLOAT_MAX, float_max
 from nanwatch.errors import PlotError
 
 __all__ = [
@@ -79,34 +95,10 @@ __all__ = [
 
 ROOT_LABEL = "(root)"
 MAX_ROWS = 600  # at 0.2 inch a row, more would make an image no viewer opens comfortably: use --depth
-INF_COLOUR = "#e41a1c"
-NAN_COLOUR = "#ff00ff"
-MISSING_COLOUR = "#d0d0d0"
-ZERO_COLOUR = "#ffffff"
-HEADROOM_COLOUR = "#ff7f00"
-# The image formats `-o NAME.EXT` (or `--format`) may ask for; matplotlib writes each with its own backend.
-FORMATS = ("png", "pdf", "svg")
-# What `--direction` may draw, and the records' directions each takes: the forward's values (with the recomputes of
-# activation checkpointing, which run the forward again during backward), or the gradients.
-DIRECTIONS = ("forward", "backward")
+# The records' directions each of `DIRECTIONS` draws.
 _DRAWN = {
     "forward": frozenset((Direction.FORWARD, Direction.RECOMPUTE)),
     "backward": frozenset((Direction.BACKWARD,)),
-}
-# How the picture names what it draws, and the lines its cells are the max of.
-_WHAT = {
-    "forward": ("forward values", "the module's float lines"),
-    "backward": ("gradients", "the module's gradient lines"),
-}
-# The smallest normal number of the narrow dtypes, whose scale is fixed by default (bottom: this, top: the max);
-# a test checks each against torch.finfo(...).smallest_normal.
-SMALLEST_NORMAL: dict[str, float] = {
-    "float16": 2.0**-14,
-    "bfloat16": 2.0**-126,
-    "float8_e4m3fn": 2.0**-6,
-    "float8_e4m3fnuz": 2.0**-7,
-    "float8_e5m2": 2.0**-14,
-    "float8_e5m2fnuz": 2.0**-15,
 }
 # A dtype's max is put on a data-relative scale when it lies at most this many decades above the largest value
 # drawn; further up (float32's 3.4e38 for a model whose numbers stay near 1) it would squash every colour into one.
@@ -125,63 +117,6 @@ USED_FIELDS = {
     "headroom_warn_fraction": "cells at or above this fraction of the marked max, where nanwatch warns while "
     "watching, are outlined in orange and the fraction is marked on the colour bar; null or 0: off",
 }
-
-
-@dataclass(frozen=True)
-class Heatmap:
-    """The numbers behind the picture.
-
-    Attributes:
-        rows: module names in model order (`ROOT_LABEL` for the model itself, first).
-        batches: the batch numbers, ascending.
-        cells: `cells[row][column]`: the largest abs max (inf or nan when any line was), None where not recorded.
-        dtypes: the floating-point dtypes of the lines drawn.
-        returned: for each row, its place in the order the modules' calls returned in a batch (children before
-            their parent, the module that made an inf before those it reached); for gradients, the order autograd
-            produced them; empty when not known.
-        direction: what the cells hold: "forward" values or "backward" gradients (`DIRECTIONS`).
-        left_out: how many float lines with a number the file holds in the other direction (not drawn).
-    """
-
-    rows: list[str]
-    batches: list[int]
-    cells: list[list[float | None]]
-    dtypes: list[str]
-    returned: list[float] = field(default_factory=list)
-    direction: str = "forward"
-    left_out: int = 0
-
-
-@dataclass(frozen=True)
-class PlotResult:
-    """What was drawn, in numbers.
-
-    Attributes:
-        width: of the image, in pixels (at the dpi asked for; a pdf or svg is this size in points x dpi / 72).
-        height: of the image, in pixels.
-        cells: (left, top, width, height) of the grid of cells (for lines: of the axes), in pixels from the image's
-            top-left corner.
-        low: the bottom of the colour scale (for lines: of the y axis), in log10 units.
-        high: the top of the colour scale (for lines: of the y axis), in log10 units.
-        dtype: whose max is marked.
-        dtype_max_on_scale: whether that max fits on the scale (and is marked on it).
-        headroom: the headroom threshold (a fraction of that max) whose cells are outlined in orange, or None.
-        format: the image format written ("png", "pdf", "svg").
-        modules: the rows drawn (for lines: the modules that came closest to the max, closest first).
-        direction: what was drawn: "forward" values or "backward" gradients.
-    """
-
-    width: int
-    height: int
-    cells: tuple[float, float, float, float]
-    low: float
-    high: float
-    dtype: str
-    dtype_max_on_scale: bool
-    headroom: float | None = None
-    format: str = "png"
-    modules: tuple[str, ...] = ()
-    direction: str = "forward"
 
 
 def _is_float(dtype: str | None) -> bool:
@@ -325,19 +260,6 @@ def model_order(segments: Sequence[tuple[Sequence[str], bool]]) -> list[str]:
     return ordered
 
 
-def dtype_max(dtype: str) -> float:
-    """The largest finite value of a floating-point dtype named as in the records ("float16", "bfloat16", ...).
-
-    Raises:
-        PlotError: not a floating-point dtype torch knows.
-    """
-    found = float_max(dtype)
-    if found is None:
-        known = ", ".join(FLOAT_MAX)
-        raise PlotError(f"dtype must name a floating-point torch dtype ({known}), got {dtype!r}")
-    return found
-
-
 def marked_dtype(heatmap: Heatmap, target_dtype: str | None = None) -> str:
     """The dtype whose max a plot marks: the tightest of the dtypes drawn and `target_dtype` (when given).
 
@@ -346,29 +268,6 @@ def marked_dtype(heatmap: Heatmap, target_dtype: str | None = None) -> str:
     """
     candidates = [*heatmap.dtypes, *([target_dtype] if target_dtype is not None else [])]
     return min(candidates, key=dtype_max)
-
-
-def image_format(output: str | Path, asked: str | None = None) -> str:
-    """The image format to write: `asked` (`--format`), else the extension of `output`; png for stdout (`-`).
-
-    Raises:
-        CliError: the format is not one of `FORMATS`, the name has no extension, or the two disagree.
-    """
-    todo = f"end -o's name in {', '.join('.' + f for f in FORMATS)}, or give --format {'|'.join(FORMATS)}"
-    if asked is not None and asked not in FORMATS:
-        raise CliError(f"--format {asked!r} is not an image format nanwatch writes", todo)
-    if str(output) == "-":
-        return asked or "png"
-    suffix = Path(output).suffix.lower().lstrip(".")
-    if asked is not None:
-        if suffix and suffix != asked:
-            raise CliError(f"-o {output} says {suffix}, --format says {asked}", "give one of them")
-        return asked
-    if not suffix:
-        raise CliError(f"-o {output} has no extension to tell the image format", todo)
-    if suffix not in FORMATS:
-        raise CliError(f"-o {output}: {suffix!r} is not an image format nanwatch writes", todo)
-    return suffix
 
 
 def colour_scale(
@@ -415,22 +314,6 @@ def figure_size(heatmap: Heatmap) -> tuple[float, float, float, float]:
     left = 0.3 + _CHAR_INCH * max(len(name) for name in heatmap.rows)
     plot_height = max(1.2, len(heatmap.rows) * _ROW_INCH)
     return left + plot_width + _RIGHT_INCH, _TOP_INCH + plot_height + _BOTTOM_INCH, left, plot_width
-
-
-def matplotlib_or_error() -> None:
-    """Raises PlotError naming the extra to install when matplotlib is not there."""
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError as error:
-        raise PlotError(
-            'nanwatch plot draws with matplotlib, which is not installed: pip install "nanwatch[plot]"'
-        ) from error
-
-
-def save_figure(figure: Any, output: str | Path | IO[bytes], fmt: str, dpi: int) -> None:
-    """Write `figure` in `fmt` to a file, or to a binary stream (`-o -`: stdout)."""
-    target = output if not isinstance(output, str | Path) else str(output)
-    figure.savefig(target, format=fmt, dpi=dpi)
 
 
 def draw_heatmap(
@@ -718,26 +601,6 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
-    return value
-
-
-def _abs_max(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number such as 1e-3, got {text!r}") from None
-    if not 0 < value < math.inf:
-        raise argparse.ArgumentTypeError(f"expected a finite abs max > 0, got {text!r}")
-    return value
-
-
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "plot",
@@ -773,17 +636,20 @@ def register(subparsers: Any) -> None:
         "--format", choices=FORMATS, default=None, help="the image format (default: -o's extension; png for -o -)"
     )
     parser.add_argument(
-        "--depth", type=_positive, default=None, help="gather modules by the first N parts of their names"
+        "--depth", type=POSITIVE_INT, default=None, help="gather modules by the first N parts of their names"
     )
     parser.add_argument(
         "--dtype", default=None, help="whose max to mark (default: the tightest of the file's dtypes and target_dtype)"
     )
-    parser.add_argument("--vmin", type=_abs_max, default=None, help="abs max at the bottom of the scale, e.g. 1e-3")
-    parser.add_argument("--vmax", type=_abs_max, default=None, help="abs max at the top of the scale, e.g. 1e5")
+    parser.add_argument("--vmin", type=ABS_MAX, default=None, help="abs max at the bottom of the scale, e.g. 1e-3")
+    parser.add_argument("--vmax", type=ABS_MAX, default=None, help="abs max at the top of the scale, e.g. 1e5")
     parser.add_argument(
-        "--top", type=_positive, default=8, help="--kind lines: how many modules, the closest to the max (default: 8)"
+        "--top",
+        type=POSITIVE_INT,
+        default=8,
+        help="--kind lines: how many modules, the closest to the max (default: 8)",
     )
     parser.add_argument("--title", default=None, help="title (default: the file's name)")
-    parser.add_argument("--dpi", type=_positive, default=100, help="pixels per inch (default: 100)")
+    parser.add_argument("--dpi", type=POSITIVE_INT, default=100, help="pixels per inch (default: 100)")
     add_config_arguments(parser, used=USED_FIELDS)
     parser.set_defaults(func=_run, parser=parser)

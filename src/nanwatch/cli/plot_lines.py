@@ -12,7 +12,7 @@ import math
 from pathlib import Path
 from typing import IO
 
-from nanwatch.cli.plot import (
+from nanwatch.cli._plot_common import (
     _WHAT,
     INF_COLOUR,
     SMALLEST_NORMAL,
