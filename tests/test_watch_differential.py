@@ -28,6 +28,7 @@ from typing import Any
 
 import pytest
 import torch
+from tests.models import MLP, MLP_FRAMES_PER_BATCH, OverflowsInItsOwnForward, Twice, loud_mlp, tiny_gpt2_config
 from torch import nn
 
 import nanwatch
@@ -48,29 +49,7 @@ Forward = Callable[[nn.Module, int], None]
 
 
 # ------------------------------------------------------------------------------------------------- models
-
-
-class MLP(nn.Module):
-    """Linear layers with in-place ReLUs: a ReLU overwrites the output its Linear just produced."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.body = nn.Sequential(nn.Linear(8, 16), nn.ReLU(inplace=True), nn.Linear(16, 16), nn.ReLU(inplace=True))
-        self.head = nn.Linear(16, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.body(x))
-
-
-MLP_FRAMES_PER_BATCH = 7  # body.0, body.1, body.2, body.3, body, head, the root
-
-
-def loud_mlp() -> MLP:
-    """The second Linear amplifies about 1000x: a large finite input goes inf there, in the third frame."""
-    model = MLP()
-    with torch.no_grad():
-        model.body[2].weight.mul_(1000)
-    return model
+# (MLP, loud_mlp, Twice and OverflowsInItsOwnForward, which both differential tests use: tests/models.py)
 
 
 def positive_mlp() -> MLP:
@@ -104,47 +83,11 @@ class TupleModel(nn.Module):
         return self.head(h + r), None, (r, t)
 
 
-class Twice(nn.Module):
-    """The same Linear (and the same Tanh) called twice in one forward."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.block = nn.Linear(8, 8)
-        self.act = nn.Tanh()
-        self.head = nn.Linear(8, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.act(self.block(x))
-        x = self.act(self.block(x) * 3)
-        return self.head(x)
-
-
-class OverflowsInItsOwnForward(nn.Module):
-    """Every submodule stays finite; the root's own arithmetic overflows, so only the root's frame holds inf."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc = nn.Linear(8, 8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc(x) * 1e38
-
-
 def gpt2_fp16(scale: float) -> Callable[[], nn.Module]:
     """A tiny random GPT-2 in fp16 whose `h.1.mlp.c_fc` weight is multiplied by `scale` (it stays finite)."""
 
     def build() -> nn.Module:
-        config = transformers.GPT2Config(
-            n_layer=2,
-            n_embd=32,
-            n_head=2,
-            n_positions=16,
-            vocab_size=64,
-            bos_token_id=0,
-            eos_token_id=0,
-            attn_implementation="eager",
-        )
-        model = transformers.GPT2Model(config).half().train()
+        model = transformers.GPT2Model(tiny_gpt2_config()).half().train()
         with torch.no_grad():
             model.h[1].mlp.c_fc.weight.mul_(scale)
         return model

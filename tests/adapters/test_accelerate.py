@@ -17,6 +17,7 @@ pytest.importorskip("accelerate")
 import torch  # noqa: E402
 from accelerate import Accelerator  # noqa: E402
 from accelerate.state import AcceleratorState, GradientState  # noqa: E402
+from tests.models import small_mlp  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from nanwatch import NanwatchWarning, NonFiniteError, WatchConfig  # noqa: E402
@@ -34,8 +35,7 @@ def make_run(
     tracker: OverflowTracker,
 ) -> tuple[Accelerator, torch.nn.Module, torch.optim.Optimizer, DataLoader[tuple[torch.Tensor, ...]]]:
     accelerator = Accelerator(gradient_accumulation_steps=2, cpu=True, log_with=[tracker])
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    model = small_mlp(scale=False)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     data = TensorDataset(torch.randn(2 * MICRO_BATCHES_PER_EPOCH, 4), torch.randn(2 * MICRO_BATCHES_PER_EPOCH, 1))
     loader = DataLoader(data, batch_size=2)
@@ -291,8 +291,7 @@ def test_an_optimizer_accelerate_did_not_prepare_is_warned_about_once() -> None:
     # No optimizer was prepared (nor passed to attach): its steps run unguarded, which nanwatch says, once.
     tracker = OverflowTracker()
     accelerator = Accelerator(cpu=True, log_with=[tracker])
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    model = small_mlp(scale=False)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     model = accelerator.prepare(model)
     tracker.attach(accelerator, model)

@@ -26,8 +26,8 @@ pytest.importorskip("accelerate")
 import torch  # noqa: E402
 from accelerate import Accelerator  # noqa: E402
 from accelerate.utils import GradScalerKwargs  # noqa: E402
-from tests.backward_faults import InfInBackward  # noqa: E402
 from tests.engine_helpers import loss_scale
+from tests.models import InfInBackward  # noqa: E402
 from torch import nn  # noqa: E402
 
 from nanwatch import LossScaleBelowFloor, NonFiniteError  # noqa: E402

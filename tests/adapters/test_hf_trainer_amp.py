@@ -25,7 +25,7 @@ import pytest
 pytest.importorskip("transformers")
 
 import torch  # noqa: E402
-from tests.backward_faults import InfInBackward  # noqa: E402
+from tests.models import InfInBackward  # noqa: E402
 from torch import nn  # noqa: E402
 from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tests.tiny_transformers import tiny_vit
+from tests.models import tiny_vit
 
 from nanwatch import NonFiniteError
 

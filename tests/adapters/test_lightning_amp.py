@@ -15,8 +15,8 @@ pytest.importorskip("lightning")
 import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
 from lightning.pytorch.plugins import MixedPrecision  # noqa: E402
-from tests.backward_faults import InfInBackward  # noqa: E402
 from tests.engine_helpers import loss_scale
+from tests.models import InfInBackward  # noqa: E402
 from torch import nn  # noqa: E402
 
 from nanwatch import LossScaleBelowFloor, NonFiniteError  # noqa: E402

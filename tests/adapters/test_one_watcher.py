@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tests.models import small_mlp
 from torch import nn
 
 from nanwatch import BatchLimitReached, NanwatchWarning, NonFiniteError, watch
@@ -19,23 +20,7 @@ from nanwatch import BatchLimitReached, NanwatchWarning, NonFiniteError, watch
 TAKE_OVER = r"earlier watch\(\) handle still watches \(at its batch_number=(\d+)\)"
 
 
-class Scale(nn.Module):
-    """Multiplies by `factor`; inf makes this module's output inf."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.factor = 1.0
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * self.factor
-
-
 REPO = Path(__file__).resolve().parents[2]
-
-
-def _model() -> nn.Sequential:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), Scale(), nn.Linear(8, 1))
 
 
 def _hooks(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> int:
@@ -62,7 +47,7 @@ def _run(model: nn.Sequential, optimizer: torch.optim.Optimizer, batches: int, b
 def test_a_second_watch_after_an_error_without_with_reports_the_new_runs_batch_number() -> None:
     # Before: the first handle kept its hooks after raising, and raised again for the new run's nan with its own
     # batch number (5 instead of 7).
-    model = _model()
+    model = small_mlp()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
     with pytest.raises(NonFiniteError) as first:
         _run(model, optimizer, batches=6, bad_at=5)
@@ -75,7 +60,7 @@ def test_a_second_watch_after_an_error_without_with_reports_the_new_runs_batch_n
 
 
 def test_a_second_watch_on_a_model_still_watched_closes_the_first_with_a_warning() -> None:
-    model = _model()
+    model = small_mlp()
     first = watch(model)
     alone = _hooks(model)
     model(torch.randn(2, 4))
@@ -95,7 +80,7 @@ def test_a_second_watch_on_a_model_still_watched_closes_the_first_with_a_warning
 
 
 def test_watching_the_whole_model_takes_over_from_a_handle_on_one_of_its_modules() -> None:
-    model = _model()
+    model = small_mlp()
     part = watch(model[0])
     with pytest.warns(NanwatchWarning, match=TAKE_OVER):
         whole = watch(model)
@@ -106,7 +91,7 @@ def test_watching_the_whole_model_takes_over_from_a_handle_on_one_of_its_modules
 
 
 def test_handles_on_separate_models_leave_each_other_alone() -> None:
-    first_model, second_model = _model(), _model()
+    first_model, second_model = small_mlp(), small_mlp()
     with watch(first_model) as first, watch(second_model) as second:  # no NanwatchWarning
         first_model(torch.randn(2, 4))
         second_model(torch.randn(2, 4))
@@ -117,7 +102,7 @@ def test_handles_on_separate_models_leave_each_other_alone() -> None:
 
 
 def test_an_error_raised_at_the_optimizer_step_removes_the_optimizers_hooks_too() -> None:
-    model = _model()
+    model = small_mlp()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     handle = watch(model, optimizer=optimizer)
     model[2].factor = math.inf
@@ -133,7 +118,7 @@ def test_an_error_raised_at_the_optimizer_step_removes_the_optimizers_hooks_too(
 
 
 def test_the_batch_limit_removes_the_hooks_without_a_with_block() -> None:
-    model = _model()
+    model = small_mlp()
     handle = watch(model, abort_after_batch_num=0)
     model(torch.randn(2, 4))
     with pytest.raises(BatchLimitReached):
@@ -144,7 +129,7 @@ def test_the_batch_limit_removes_the_hooks_without_a_with_block() -> None:
 def test_a_handle_dropped_without_close_is_freed_with_its_model() -> None:
     # A notebook cell run again: the old model and its handle are dropped, never closed. Nothing of nanwatch's may
     # keep them (and the model's memory) alive.
-    model = _model()
+    model = small_mlp()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     handle = watch(model, optimizer=optimizer)
     model(torch.randn(2, 4)).sum().backward()

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import torch
+from tests.models import Scale, small_mlp
 from torch import nn
 
 import nanwatch
@@ -25,23 +26,6 @@ import nanwatch.core.stats.measure
 from nanwatch import BatchLimitReached, NanwatchWarning, NonFiniteError, WatchHandle, watch
 from nanwatch.core.frames import ResolvedFrame, resolve
 from nanwatch.core.walk import MAX_DEPTH, MAX_LEAVES
-
-
-class Scale(nn.Module):
-    """Multiplies by `factor`; setting it to inf makes inf appear in this module's output."""
-
-    def __init__(self, factor: float = 1.0) -> None:
-        super().__init__()
-        self.factor = factor
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * self.factor
-
-
-def _model() -> nn.Sequential:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), Scale(), nn.Linear(8, 1))
-
 
 FRAMES_PER_FORWARD = 5  # 4 children and the root
 
@@ -80,7 +64,7 @@ def _lines(handle: WatchHandle, module_name: str) -> dict[str, str]:
 
 
 def test_with_block_removes_every_hook_at_its_end() -> None:
-    model = _model()
+    model = small_mlp()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     with watch(model, optimizer=optimizer) as handle:
         # one per module (and its with_kwargs mark: keyword inputs are recorded), root pre/post, optimizer
@@ -92,7 +76,7 @@ def test_with_block_removes_every_hook_at_its_end() -> None:
 
 
 def test_close_removes_every_hook_and_can_be_called_twice() -> None:
-    model = _model()
+    model = small_mlp()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     handle = watch(model, optimizer=optimizer)
     assert _hook_count(model, optimizer) > 0
@@ -112,7 +96,7 @@ class UserError(Exception):
 
 def test_an_optimizer_that_is_not_one_is_a_type_error_and_leaves_no_hook() -> None:
     # Before: the model's hooks were attached first, then the optimizer refused, and the hooks stayed behind.
-    model = _model()
+    model = small_mlp()
     for wrong in (model.parameters(), list(model.parameters())):
         with pytest.raises(TypeError, match="optimizer= a torch.optim.Optimizer") as info:
             watch(model, optimizer=wrong)  # type: ignore[arg-type]
@@ -131,7 +115,7 @@ def test_what_cannot_be_watched_is_a_one_line_type_error_saying_what_to_do() -> 
     # Before: AttributeError ('str' object has no attribute 'named_modules') and RuntimeError from torch.jit.
     with pytest.raises(TypeError, match=r"^watch\(\) needs a torch.nn.Module, got str$"):
         watch("not a model")  # type: ignore[arg-type]
-    scripted = torch.jit.script(_model())
+    scripted = torch.jit.script(small_mlp())
     with pytest.raises(TypeError, match="cannot watch a torch.jit.ScriptModule") as info:
         watch(scripted)
     assert "Watch the module before scripting it" in str(info.value)
@@ -161,7 +145,7 @@ def test_a_forward_that_raises_propagates_the_same_exception_and_hooks_are_remov
 
 
 def test_the_users_exception_wins_over_a_pending_detection(nanwatch_log: pytest.LogCaptureFixture) -> None:
-    model = _model()
+    model = small_mlp()
     model[2].factor = math.inf
     error = UserError("data loader broke")
 
@@ -179,7 +163,7 @@ def test_the_users_exception_wins_over_a_pending_detection(nanwatch_log: pytest.
 
 
 def test_hooks_are_removed_when_detection_raises_inside_the_block() -> None:
-    model = _model()
+    model = small_mlp()
     model[2].factor = math.inf
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     with watch(model, optimizer=optimizer) as handle:
@@ -200,7 +184,7 @@ def test_hooks_are_removed_when_detection_raises_inside_the_block() -> None:
 
 
 def test_detection_at_the_end_of_the_block_raises_and_removes_hooks() -> None:
-    model = _model()
+    model = small_mlp()
     model[2].factor = math.inf
     with pytest.raises(NonFiniteError) as info, watch(model):
         model(torch.randn(2, 4))  # no step(): the block's end checks what is pending
@@ -209,7 +193,7 @@ def test_detection_at_the_end_of_the_block_raises_and_removes_hooks() -> None:
 
 
 def test_hooks_are_removed_when_the_batch_limit_stops_the_run() -> None:
-    model = _model()
+    model = small_mlp()
 
     def loop() -> None:
         with watch(model, abort_after_batch_num=0) as handle:
@@ -225,7 +209,7 @@ def test_hooks_are_removed_when_the_batch_limit_stops_the_run() -> None:
 
 
 def test_batch_number_advances_only_with_step() -> None:
-    model = _model()
+    model = small_mlp()
     with watch(model, watch_eval=True) as handle:
         assert handle.batch_number == 0
         model(torch.randn(2, 4))
@@ -246,7 +230,7 @@ def test_batch_number_advances_only_with_step() -> None:
 
 
 def test_detection_error_carries_the_batch_module_and_report(tmp_path: Path) -> None:
-    model = _model()
+    model = small_mlp()
     x = torch.randn(2, 4)
 
     def loop() -> None:
@@ -274,7 +258,7 @@ def test_detection_error_carries_the_batch_module_and_report(tmp_path: Path) -> 
 
 def test_report_dir_holds_text_and_json_before_the_error_propagates(tmp_path: Path) -> None:
     report_dir = tmp_path / "reports" / "nested"  # created on demand
-    model = _model()
+    model = small_mlp()
     with watch(model, report_dir=report_dir) as handle:
         model(torch.randn(2, 4))
         handle.step()
@@ -303,7 +287,7 @@ def test_report_dir_holds_text_and_json_before_the_error_propagates(tmp_path: Pa
 
 def test_trace_logs_every_frame_of_the_chosen_batches(nanwatch_log: pytest.LogCaptureFixture) -> None:
     # No report_dir: the frames go to the log (with one, to the trace files: tests/core/features/test_trace.py).
-    model = _model()
+    model = small_mlp()
     with watch(model, trace_batch_nums=[1, 3]) as handle:
         for _ in range(5):
             model(torch.randn(2, 4))
@@ -320,7 +304,7 @@ def test_trace_logs_every_frame_of_the_chosen_batches(nanwatch_log: pytest.LogCa
 
 
 def test_the_ring_stays_bounded_after_traced_batches() -> None:
-    model = _model()
+    model = small_mlp()
     sizes: list[int] = []
 
     def loop() -> None:
@@ -343,7 +327,7 @@ def test_the_ring_stays_bounded_after_traced_batches() -> None:
 
 
 def test_abort_after_batch_num_stops_after_that_batch() -> None:
-    model = _model()
+    model = small_mlp()
     ran = []
 
     def loop() -> None:
@@ -364,14 +348,14 @@ def test_config_from_a_dict_a_file_and_overrides(tmp_path: Path) -> None:
     path = tmp_path / "watch.json"
     path.write_text(json.dumps({"max_frames_to_save": 3, "watch_eval": True}))
     for config in (path, str(path), {"max_frames_to_save": 3, "watch_eval": True}):
-        with watch(_model(), config, trace_batch_nums=[7]) as handle:
+        with watch(small_mlp(), config, trace_batch_nums=[7]) as handle:
             assert handle.config.max_frames_to_save == 3
             assert handle.config.watch_eval
             assert handle.config.trace_batch_nums == [7]
 
 
 def test_data_parallel_is_looked_through() -> None:
-    model = _model()
+    model = small_mlp()
     wrapped = nn.DataParallel(model)  # with no GPU it simply calls the module
     with watch(wrapped) as handle:
         assert handle.model is model
@@ -402,7 +386,7 @@ def test_fp16_overflow_in_a_real_layer_is_caught() -> None:
 
 
 def test_eval_forwards_are_not_recorded_by_default() -> None:
-    model = _model()
+    model = small_mlp()
     model[2].factor = math.inf
     model.eval()
     with watch(model) as handle, torch.no_grad():
@@ -414,7 +398,7 @@ def test_eval_forwards_are_not_recorded_by_default() -> None:
 
 
 def test_eval_forwards_are_checked_and_counted_apart_with_watch_eval(tmp_path: Path) -> None:
-    model = _model()
+    model = small_mlp()
     with watch(model, watch_eval=True, report_dir=tmp_path) as handle:
         model(torch.randn(2, 4))
         handle.step()
@@ -442,7 +426,7 @@ def test_eval_forwards_are_checked_and_counted_apart_with_watch_eval(tmp_path: P
 
 
 def test_optimizer_guard_stops_the_step_before_inf_reaches_the_weights() -> None:
-    model = _model()
+    model = small_mlp()
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
     x = torch.randn(4, 4)
     before: dict[str, torch.Tensor] = {}
@@ -468,7 +452,7 @@ def test_optimizer_guard_stops_the_step_before_inf_reaches_the_weights() -> None
 
 
 def test_optimizer_guard_with_gradient_accumulation() -> None:
-    model = _model()
+    model = small_mlp()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     handle = watch(model, optimizer=optimizer)
     try:
@@ -588,7 +572,7 @@ def test_inf_in_a_float8_output_is_detected() -> None:
 
 def test_meta_device_modules_are_skipped_with_a_reason() -> None:
     with torch.device("meta"):
-        model = _model()
+        model = small_mlp()
     with watch(model) as handle:
         output = model(torch.empty(2, 4, device="meta"))
         assert output.device.type == "meta"
@@ -702,7 +686,7 @@ def test_nested_tensors_in_an_eval_transformer_encoder() -> None:
 
 def test_a_model_built_and_run_under_inference_mode() -> None:
     with torch.inference_mode():
-        model = _model().eval()
+        model = small_mlp().eval()
         with watch(model, watch_eval=True) as handle:
             model(torch.randn(2, 4))
             assert _lines(handle, "0")["weight"].endswith(" weight")
@@ -712,7 +696,7 @@ def test_a_model_built_and_run_under_inference_mode() -> None:
 
 
 def test_an_internal_failure_disables_watching_and_training_continues(monkeypatch: pytest.MonkeyPatch) -> None:
-    model = _model()
+    model = small_mlp()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     x = torch.randn(4, 4)
 
@@ -803,7 +787,7 @@ def _train_steps(model: nn.Module, optimizer: torch.optim.Optimizer, handle: Wat
 
 def test_an_unguarded_optimizer_stepping_the_model_is_warned_about_once() -> None:
     # watch(model) without optimizer=: a step that applies inf/nan runs (the weights go nan) before step() checks.
-    model = _model()
+    model = small_mlp()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     other = nn.Linear(2, 2)
     other_optimizer = torch.optim.SGD(other.parameters(), lr=0.1)
@@ -823,7 +807,7 @@ def test_an_unguarded_optimizer_stepping_the_model_is_warned_about_once() -> Non
 
 
 def test_a_guarded_optimizer_and_a_model_that_is_only_run_forward_hear_nothing_of_it() -> None:
-    model = _model()
+    model = small_mlp()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     with nanwatch.watch(model) as handle:
         handle.guard(optimizer)  # guarded after watch(): as good as optimizer=
@@ -839,7 +823,7 @@ def test_a_guarded_optimizer_and_a_model_that_is_only_run_forward_hear_nothing_o
 def test_going_on_after_catching_a_detection_blames_nothing_that_is_not_there() -> None:
     # A notebook, or a loop that catches the error and goes on: the hooks went with the error. Before, the next
     # steps warned that the model "runs inside code compiled by torch.compile", which nobody used.
-    model = _model()
+    model = small_mlp()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
     handle = nanwatch.watch(model, optimizer=optimizer)
     caught: list[int] = []
@@ -871,7 +855,7 @@ def test_going_on_after_catching_a_detection_blames_nothing_that_is_not_there() 
 def test_a_batch_with_only_eval_forwards_is_said_to_have_none_in_training_mode(monkeypatch: pytest.MonkeyPatch) -> None:
     # Nothing was compiled (whatever other tests in this process compiled): torch.compile is not named.
     monkeypatch.setattr(nanwatch.core.watcher, "compiled_anything", lambda: False)
-    model = _model()
+    model = small_mlp()
     with nanwatch.watch(model) as handle:
         model.eval()
         model(torch.randn(2, 4))
@@ -906,7 +890,7 @@ def test_each_warning_is_printed_once(tmp_path: Path) -> None:
 
 
 def test_an_optimizer_passed_where_the_config_goes_is_told_to_use_its_keyword() -> None:
-    model = _model()
+    model = small_mlp()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(nanwatch.ConfigError, match=r"got SGD, an optimizer: pass it by keyword, .*optimizer=optimizer"):
         nanwatch.watch(model, optimizer)  # type: ignore[arg-type]

@@ -11,6 +11,7 @@ pytest.importorskip("accelerate")
 import torch  # noqa: E402
 from accelerate import Accelerator  # noqa: E402
 from accelerate.tracking import GeneralTracker  # noqa: E402
+from tests.models import small_mlp  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from nanwatch.adapters.accelerate import OverflowTracker  # noqa: E402
@@ -44,8 +45,7 @@ def train(trackers: list[GeneralTracker], overflow: OverflowTracker, micro_batch
     """The usual loop, gradient accumulation 2; returns the root module's abs max (input or output) per micro-batch."""
     accelerator = Accelerator(gradient_accumulation_steps=2, cpu=True, log_with=[overflow, *trackers])
     accelerator.init_trackers("summary-test")
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    model = small_mlp(scale=False)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     data = TensorDataset(torch.randn(2 * micro_batches, 4) * 20, torch.randn(2 * micro_batches, 1))
     model, optimizer, loader = accelerator.prepare(model, optimizer, DataLoader(data, batch_size=2))

@@ -4,14 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tests.models import small_mlp
 from torch import nn
 
 import nanwatch
-
-
-def _model() -> nn.Sequential:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
 
 
 def _summaries(log: pytest.LogCaptureFixture) -> list[str]:
@@ -19,7 +15,7 @@ def _summaries(log: pytest.LogCaptureFixture) -> list[str]:
 
 
 def test_summary_returns_the_metrics_and_logs_them(nanwatch_log: pytest.LogCaptureFixture) -> None:
-    model = _model()
+    model = small_mlp(scale=False)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     with nanwatch.watch(model, optimizer=optimizer) as handle:
         assert handle.summary() == {}  # nothing checked yet
@@ -48,7 +44,7 @@ def test_summary_returns_the_metrics_and_logs_them(nanwatch_log: pytest.LogCaptu
 
 
 def test_step_logs_a_summary_every_n_batches(nanwatch_log: pytest.LogCaptureFixture) -> None:
-    model = _model()
+    model = small_mlp(scale=False)
     with nanwatch.watch(model, summary_every_n_batches=3) as handle:
         for _ in range(7):
             model(torch.randn(2, 4)).sum().backward()
@@ -62,7 +58,7 @@ def test_step_logs_a_summary_every_n_batches(nanwatch_log: pytest.LogCaptureFixt
 
 def test_a_ddp_wrapped_model_is_summarised_under_its_own_names() -> None:
     # DataParallel stands in for DDP (the same unwrapping) without a process group.
-    model = _model()
+    model = small_mlp(scale=False)
     with nanwatch.watch(nn.DataParallel(model), include_modules=["0", "2"]) as handle:
         model(torch.randn(2, 4)).sum().backward()
         handle.step()

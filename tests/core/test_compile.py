@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 import torch._dynamo
-from tests.backward_faults import NanInBackward
+from tests.models import NanInBackward
 from torch import nn
 from torch._dynamo.utils import counters
 

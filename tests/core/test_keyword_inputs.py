@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import torch
-from tests.tiny_transformers import tiny_vit
+from tests.models import tiny_vit
 from torch import nn
 
 import nanwatch

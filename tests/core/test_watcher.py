@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tests.models import Scale, small_mlp
 from torch import nn
 
 import nanwatch.core.engine.checker
@@ -20,22 +21,6 @@ import nanwatch.core.stats.measure
 from nanwatch import BatchLimitReached, ConfigError, NanwatchWarning, NonFiniteError, WatchConfig
 from nanwatch.core.frames import ResolvedFrame, resolve
 from nanwatch.core.watcher import Watcher
-
-
-class Scale(nn.Module):
-    """Multiplies by `factor`: set it to inf (or a huge number in fp16) to make inf appear in a chosen module."""
-
-    def __init__(self, factor: float = 1.0) -> None:
-        super().__init__()
-        self.factor = factor
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * self.factor
-
-
-def _model() -> nn.Sequential:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), Scale(), nn.Linear(8, 2))
 
 
 def _resolved(watcher: Watcher) -> list[ResolvedFrame]:
@@ -55,7 +40,7 @@ def _our_hook_count(model: nn.Module) -> int:
 
 
 def test_attach_hooks_every_module_once_and_detach_removes_them() -> None:
-    model = _model()
+    model = small_mlp(out_features=2)
     watcher = Watcher(model, WatchConfig())
     watcher.attach()
     assert watcher.attached
@@ -186,7 +171,7 @@ def test_recorded_numbers_are_exact_and_survive_an_in_place_relu() -> None:
 
 
 def test_batch_number_advances_only_at_end_batch() -> None:
-    model = _model()
+    model = small_mlp(out_features=2)
     watcher = Watcher(model, WatchConfig())
     watcher.attach()
     x = torch.randn(2, 4)
@@ -201,7 +186,7 @@ def test_batch_number_advances_only_at_end_batch() -> None:
 
 
 def test_detection_reports_the_frames_ending_at_the_first_inf() -> None:
-    model = _model()
+    model = small_mlp(out_features=2)
     watcher = Watcher(model, WatchConfig(max_frames_to_save=6))
     watcher.attach()
     x = torch.randn(2, 4)
@@ -232,7 +217,7 @@ def test_frames_before_the_first_inf_are_cut_to_max_frames() -> None:
 
 
 def test_clean_check_moves_frames_to_the_ring_and_returns_none() -> None:
-    model = _model()
+    model = small_mlp(out_features=2)
     watcher = Watcher(model, WatchConfig(max_frames_to_save=3))
     watcher.attach()
     for _ in range(4):
@@ -255,14 +240,14 @@ def test_rank_and_world_size_appear_in_the_report() -> None:
 
 
 def test_set_phase_rejects_unknown_phases() -> None:
-    watcher = Watcher(_model(), WatchConfig())
+    watcher = Watcher(small_mlp(out_features=2), WatchConfig())
     with pytest.raises(ValueError, match=r"phase can be one of \('train', 'eval'\), got 'test'"):
         watcher.start_batch("test")
 
 
 def test_eval_phase_is_recorded_only_with_watch_eval_and_counted_apart() -> None:
     for watch_eval in (False, True):
-        model = _model()
+        model = small_mlp(out_features=2)
         watcher = Watcher(model, WatchConfig(watch_eval=watch_eval))
         watcher.attach()
         watcher.start_batch("eval")
@@ -277,9 +262,9 @@ def test_eval_phase_is_recorded_only_with_watch_eval_and_counted_apart() -> None
 
 
 def test_state_dict_round_trip_restores_counters_and_tracing() -> None:
-    watcher = Watcher(_model(), WatchConfig(trace_batch_nums=[5]))
+    watcher = Watcher(small_mlp(out_features=2), WatchConfig(trace_batch_nums=[5]))
     watcher.load_state_dict({"batch_number": 5, "eval_batch_number": 2, "optimizer_step": 4, "epoch": 1})
-    restored = Watcher(_model(), WatchConfig(trace_batch_nums=[5]))
+    restored = Watcher(small_mlp(out_features=2), WatchConfig(trace_batch_nums=[5]))
     restored.load_state_dict(watcher.state_dict())
     assert restored.state_dict() == {"batch_number": 5, "eval_batch_number": 2, "optimizer_step": 4, "epoch": 1}
     assert restored.tracing  # batch 5 is traced, so resuming at 5 traces it
@@ -300,7 +285,7 @@ def test_trace_ranks_choose_who_traces(nanwatch_log: pytest.LogCaptureFixture) -
 
 
 def test_abort_after_batch_num() -> None:
-    model = _model()
+    model = small_mlp(out_features=2)
     watcher = Watcher(model, WatchConfig(abort_after_batch_num=1))
     watcher.attach()
     model(torch.randn(1, 4))
@@ -369,7 +354,7 @@ def _abs_range(tensor: torch.Tensor) -> tuple[float, float]:
     ids=["adamw-fused", "adamw-foreach", "sgd"],
 )
 def test_weights_are_remeasured_after_an_optimizer_step(make_optimizer: object) -> None:
-    model = _model()
+    model = small_mlp(out_features=2)
     optimizer = make_optimizer(model.parameters())  # type: ignore[operator]
     watcher = Watcher(model, WatchConfig())
     watcher.attach()
@@ -382,7 +367,7 @@ def test_weights_are_remeasured_after_an_optimizer_step(make_optimizer: object) 
 
 
 def test_weights_written_through_data_are_remeasured_next_batch() -> None:
-    model = _model()
+    model = small_mlp(out_features=2)
     watcher = Watcher(model, WatchConfig())
     watcher.attach()
     x = torch.randn(2, 4)
@@ -396,7 +381,7 @@ def test_weights_written_through_data_are_remeasured_next_batch() -> None:
 
 
 def test_weights_are_remeasured_after_half_and_to_in_eval() -> None:
-    model = _model()
+    model = small_mlp(out_features=2)
     watcher = Watcher(model, WatchConfig(watch_eval=True))
     watcher.attach()
     watcher.start_batch("eval")
@@ -412,7 +397,7 @@ def test_weights_are_remeasured_after_half_and_to_in_eval() -> None:
 
 
 def test_weights_changed_between_train_and_eval_are_remeasured() -> None:
-    model = _model()
+    model = small_mlp(out_features=2)
     watcher = Watcher(model, WatchConfig(watch_eval=True))
     watcher.attach()
     x = torch.randn(2, 4)
@@ -433,7 +418,7 @@ def test_weights_changed_between_train_and_eval_are_remeasured() -> None:
 
 def test_pending_frames_stay_bounded_when_batches_never_end(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(nanwatch.core.engine.recorder, "MAX_PENDING_FRAMES", 20)
-    model = _model()
+    model = small_mlp(out_features=2)
     watcher = Watcher(model, WatchConfig(max_frames_to_save=7))
     watcher.attach()
     x = torch.randn(2, 4)
@@ -450,7 +435,7 @@ def test_pending_frames_stay_bounded_when_batches_never_end(monkeypatch: pytest.
 
 
 def test_a_failure_in_measuring_disables_watching_and_the_run_goes_on(monkeypatch: pytest.MonkeyPatch) -> None:
-    model = _model()
+    model = small_mlp(out_features=2)
     x = torch.randn(2, 4)
     expected = model(x)
     watcher = Watcher(model, WatchConfig())
@@ -476,7 +461,7 @@ def test_a_failure_in_measuring_disables_watching_and_the_run_goes_on(monkeypatc
 
 @pytest.mark.parametrize("headroom", [None, 0.125], ids=["plain-check", "headroom-check"])
 def test_a_failure_in_checking_disables_watching(monkeypatch: pytest.MonkeyPatch, headroom: float | None) -> None:
-    model = _model()
+    model = small_mlp(out_features=2)
     watcher = Watcher(model, WatchConfig(headroom_warn_fraction=headroom))
     watcher.attach()
     model(torch.randn(2, 4))
@@ -546,7 +531,7 @@ def test_a_bug_on_the_publish_path_still_ends_in_the_error_with_its_report(
 def test_a_bug_in_deciding_what_to_watch_disables_watching_and_the_run_goes_on(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    model = _model()
+    model = small_mlp(out_features=2)
     watcher = Watcher(model, WatchConfig(watch_every_n_batches=2))
     watcher.attach()
     model(torch.randn(2, 4))

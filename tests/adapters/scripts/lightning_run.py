@@ -20,40 +20,11 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
+from blowup_models import Blowup, hook_count, same_weights
 from torch.utils.data import DataLoader, TensorDataset
 
 from nanwatch.adapters.lightning import OverflowCallback
 from nanwatch.errors import NonFiniteError
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-class Blowup(torch.nn.Module):
-    """Passes its input through, except on training forward `at` (0-indexed, counted here) on `rank`: adds inf.
-
-    It counts its own forwards, training and evaluation apart, so a test knows which micro-batch goes bad without
-    relying on nanwatch's counters or the data order.
-    """
-
-    def __init__(self, at: int | None, rank: int | None, eval_at: int | None) -> None:
-        super().__init__()
-        self.at = at
-        self.rank = rank
-        self.eval_at = eval_at
-        self.count = 0
-        self.eval_count = 0
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.training:
-            hit = self.count == self.at
-            self.count += 1
-        else:
-            hit = self.eval_count == self.eval_at
-            self.eval_count += 1
-        return x + float("inf") if hit and (self.rank is None or self.rank == _rank()) else x
 
 
 class InjectingModule(pl.LightningModule):
@@ -109,15 +80,6 @@ class Snapshots(pl.Callback):
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
         self.weights.append({k: v.detach().clone() for k, v in pl_module.state_dict().items()})
-
-
-def same_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> bool:
-    return all(torch.equal(value, weights[key]) for key, value in model.state_dict().items())
-
-
-def hook_count(model: torch.nn.Module) -> int:
-    """Forward and forward-pre hooks left on any module of `model`, the root included."""
-    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
 
 
 def loaders(n_train: int = 4, n_val: int = 4, batch_size: int = 2) -> tuple[DataLoader[Any], DataLoader[Any]]:

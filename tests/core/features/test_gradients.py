@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import torch
-from tests.backward_faults import NanInBackward
+from tests.models import NanInBackward, small_mlp
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -304,8 +304,7 @@ class _HostReads(TorchDispatchMode):
 
 
 def test_the_gradient_hooks_read_nothing_back_from_the_device() -> None:
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(inplace=True), nn.Linear(8, 1))
+    model = small_mlp(scale=False, inplace=True)
     with watch(model, watch_gradients=True) as handle:
         model(torch.randn(3, 4)).sum().backward()  # warm-up: first calls may initialise things
         handle.step()
@@ -327,8 +326,7 @@ def _parameter_hooks(model: nn.Module) -> int:
 
 
 def test_close_removes_the_parameter_and_tensor_hooks() -> None:
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(inplace=True), nn.Linear(8, 1))
+    model = small_mlp(scale=False, inplace=True)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     handle = watch(model, optimizer=optimizer, watch_gradients=True)
     assert _parameter_hooks(model) == 4

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.backward_faults import InfInBackward, NanInBackward
+from tests.models import InfInBackward, NanInBackward
 from torch import nn
 
 from nanwatch import NonFiniteError, watch

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from tests.backward_faults import InfInBackward
 from tests.engine_helpers import loss_scale
+from tests.models import InfInBackward, small_mlp
 from torch import nn
 
 from nanwatch import ConfigError, LossScaleBelowFloor, NonFiniteError, WatchConfig, WatchHandle, watch
@@ -404,8 +404,7 @@ def test_a_disabled_scaler_is_no_excuse() -> None:
 
 
 def test_bfloat16_autocast_gradients_are_recorded_in_their_dtype() -> None:
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(inplace=True), nn.Linear(8, 1))
+    model = small_mlp(scale=False, inplace=True)
     with watch(model, watch_gradients=True, max_frames_to_save=100) as handle:
         with torch.autocast("cpu", dtype=torch.bfloat16):
             out = model(torch.randn(2, 4))

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 import torch
-from tests.backward_faults import NanInBackward
+from tests.models import NanInBackward, small_mlp
 from tests.test_watch_differential import SCENARIOS, SEED
 from torch import nn
 
@@ -442,8 +442,7 @@ def test_a_compiled_model_is_watched_outside_its_graph_and_replayed_eagerly(tmp_
 
     torch._dynamo.reset()
     counters.clear()
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    model = small_mlp(scale=False)
     compiled = torch.compile(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 
