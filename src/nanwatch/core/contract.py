@@ -63,11 +63,23 @@ class AdapterContract(Protocol):
     (None) on ranks whose logger writes nothing."""
 
     def attach(self, modules: Iterable[tuple[str, torch.nn.Module]] | None = None) -> None:
-        """Hook every module the config's scope keeps (or the given ones)."""
+        """Put a forward hook on every module (or on the given `(name, module)` pairs) that the config's scope keeps.
+
+        Raises:
+            ConfigError: an `include_modules`/`exclude_modules` pattern matches none of the modules, or together
+                they leave none; no hook is added then.
+        """
 
     def close(self, *, check: bool = True, raise_detection: bool = False) -> Report | None:
-        """Check what is pending (`check`), remove every hook, let the features sum up; the report published, if
-        any (raised with `raise_detection`)."""
+        """Stop watching: check what is still pending (no collective), remove every hook, let features sum up.
+
+        Args:
+            check: check the pending frames first, and publish a report if they hold inf/nan.
+            raise_detection: then raise `NonFiniteError` for that report (on this rank).
+
+        Returns:
+            The report published at close, or None.
+        """
 
     def outside_graph(
         self, module: torch.nn.Module, hook: Callable[..., Any], *placeholders: Any
@@ -77,21 +89,38 @@ class AdapterContract(Protocol):
     # ------------------------------------------------------------------------------------------ the batch
 
     def start_batch(self, phase: Phase, *, optimizer_step: Kept = KEEP, epoch: Kept = KEEP) -> None:
-        """A micro-batch of `phase` starts (idempotent within one). Raises if another rank stopped."""
+        """A micro-batch of `phase` starts (or goes on: idempotent within a micro-batch); the forwards that follow
+        belong to it. Raises when another rank stopped: this rank stops too, before its next forward."""
 
     def set_phase(self, phase: Phase) -> None:
-        """The forwards that follow belong to `phase`, in the micro-batch already open."""
+        """The forwards that follow belong to `phase` ("train": counted as `batch_number`; "eval": counted apart,
+        watched only with `watch_eval`), in the micro-batch already open (evaluation in the middle of a training
+        micro-batch, and back)."""
 
     def end_batch(self, *, optimizer_step: Kept = KEEP, epoch: Kept = KEEP) -> None:
-        """Check the micro-batch; raise a detection (single process: now; ranks: at the optimizer step)."""
+        """The current micro-batch is over: check it, then advance its phase's counter.
+
+        A training detection raises at once in a single process; distributed, it is published now and raised at the
+        next optimizer step, where every rank meets (with no guarded optimizer: now). An evaluation detection
+        raises now (evaluation may run on some ranks only; the others stop at their next check).
+
+        Raises:
+            NonFiniteError: this rank, or another, saw inf/nan.
+            BatchLimitReached: `abort_after_batch_num` was the batch that just ended.
+        """
 
     def agreement_point(self, *, hold: bool = True) -> None:
-        """Check now rather than at the end of the micro-batch."""
+        """Check now (before backward, say) rather than at the end of the micro-batch; a detection raises as in
+        `end_batch()` (`hold=False`: at once, on every rank that meets this check)."""
 
     def on_optimizer_step(
         self, stage: OptimizerStage, optimizer: torch.optim.Optimizer | None = None, *, optimizer_step: Kept = KEEP
     ) -> None:
-        """An optimizer step is at `stage` ("guarded", "before", "after", "settled")."""
+        """An optimizer step is at `stage`: "guarded" (the adapter will report "before" for each of its steps),
+        "before" it applies the gradients (the recorded frames and the gradients are checked, and every rank agrees:
+        a step that would apply inf/nan never runs), "after" it ran (counted), or "settled" (the loss scaler decided
+        the last micro-batch's step). `optimizer_step`: the framework's own count of completed steps, if it keeps one.
+        """
 
     def guards(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether some adapter already checks before each step of `optimizer`."""
@@ -102,7 +131,13 @@ class AdapterContract(Protocol):
     def watch_scaler(
         self, scaler: GradScalerLike, *, read_scale: Literal["at_batch_end", "when_settled"] = "at_batch_end"
     ) -> None:
-        """Follow the run's GradScaler (its skipped steps are expected)."""
+        """Follow a `torch.amp.GradScaler`: inf/nan gradients on steps it skips are expected (core/features/
+        loss_scale.py). `read_scale`: when its scale is read, as each micro-batch ends or at the "settled" stage.
+
+        Raises:
+            TypeError: `scaler` is not a GradScaler.
+            ValueError: `read_scale` is neither of the two.
+        """
 
     # ------------------------------------------------------------------------------------- counters, state
 

@@ -27,6 +27,7 @@ __all__ = [
     "ScaleReading",
     "ScaleRecord",
     "Summary",
+    "checked_scaler",
     "scaler_of",
     "order_key",
     "scale_text",
@@ -57,6 +58,23 @@ class GradScalerLike(Protocol):
     def get_scale(self) -> float: ...
 
     def is_enabled(self) -> bool: ...
+
+
+def checked_scaler(scaler: object, read_scale: str) -> GradScalerLike:
+    """`scaler`, if nanwatch can follow it and `read_scale` says when; else a one-line error naming what was wrong.
+
+    Raises:
+        TypeError: `scaler` is not a GradScaler.
+        ValueError: `read_scale` is neither "at_batch_end" nor "when_settled".
+    """
+    if not isinstance(scaler, GradScalerLike):
+        raise TypeError(
+            "scaler must be a torch.amp.GradScaler (an object with get_scale() and is_enabled()), "
+            f"got {type(scaler).__name__}"
+        )
+    if read_scale not in ("at_batch_end", "when_settled"):
+        raise ValueError(f"read_scale can be 'at_batch_end' or 'when_settled', got {read_scale!r}")
+    return scaler
 
 
 def scaler_of(holder: object) -> GradScalerLike | None:

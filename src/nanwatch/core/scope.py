@@ -12,14 +12,14 @@ from __future__ import annotations
 import difflib
 from collections.abc import Iterable, Sequence
 from fnmatch import fnmatchcase
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from nanwatch.core.config import ConfigError, WatchConfig
 
 if TYPE_CHECKING:
     import torch  # for the hints only: the tools that read reports select modules without torch
 
-__all__ = ["BatchSchedule", "select_modules", "select_names", "ROOT_NAME"]
+__all__ = ["BatchSchedule", "rank_in", "select_modules", "select_names", "ROOT_NAME"]
 
 # How the messages and the summary name the root module, whose qualified name is "".
 ROOT_NAME = "(root)"
@@ -97,6 +97,11 @@ def _no_match(field: str, pattern: str, names: list[str], among: str) -> str:
     )
 
 
+def rank_in(rank: int, ranks: Literal["zero", "all"] | list[int]) -> bool:
+    """Whether `rank` is one of `ranks`, as `trace_ranks` names them."""
+    return ranks == "all" or (rank == 0 if ranks == "zero" else rank in ranks)
+
+
 class BatchSchedule:
     """Which 0-indexed training batches are recorded: a window, every Nth batch of it, and every traced batch."""
 
@@ -105,6 +110,8 @@ class BatchSchedule:
         self.first = config.watch_first_batch
         self.last = config.watch_last_batch
         self.traced = frozenset(config.trace_batch_nums)
+        self.trace_ranks = config.trace_ranks
+        self.watch_eval = config.watch_eval
         # The common case: every batch is recorded, nothing to compute.
         self.watches_all = self.every == 1 and self.first == 0 and self.last is None
 
@@ -115,6 +122,14 @@ class BatchSchedule:
         if batch_number < self.first or (self.last is not None and batch_number > self.last):
             return False
         return (batch_number - self.first) % self.every == 0
+
+    def records(self, phase: str, batch_number: int) -> bool:
+        """Whether micro-batch `batch_number` of `phase` is recorded (evaluation: only with `watch_eval`)."""
+        return self.watched(batch_number) if phase == "train" else self.watch_eval
+
+    def traces(self, phase: str, batch_number: int, rank: int) -> bool:
+        """Whether this rank traces micro-batch `batch_number` of `phase` (`trace_batch_nums`, `trace_ranks`)."""
+        return phase == "train" and batch_number in self.traced and rank_in(rank, self.trace_ranks)
 
     def previous_watched(self, batch_number: int) -> int | None:
         """The last watched batch before `batch_number`, or None when there is none."""

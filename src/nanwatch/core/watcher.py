@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import weakref
 from collections.abc import Callable, Iterable, Mapping
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar, overload
 
 import torch
 
@@ -30,14 +30,11 @@ from nanwatch.core.compiler import (
 )
 from nanwatch.core.config import WatchConfig
 from nanwatch.core.contract import AdapterContract
-from nanwatch.core.engine.arbiter import Arbiter
-from nanwatch.core.engine.checker import Checker
-from nanwatch.core.engine.context import EngineView, rank_in
-from nanwatch.core.engine.counters import PHASES, Counters
+from nanwatch.core.engine.assembly import assemble
+from nanwatch.core.engine.counters import PHASES
+from nanwatch.core.engine.holding import Held
 from nanwatch.core.engine.notices import nothing_recorded
-from nanwatch.core.engine.plugins import FeatureSet
-from nanwatch.core.engine.publisher import Publisher
-from nanwatch.core.engine.recorder import Recorder, hook_code, own_code
+from nanwatch.core.engine.recorder import hook_code, own_code
 from nanwatch.core.events import KEEP, Feature, Kept, OptimizerStage, Phase
 from nanwatch.core.features import features_for
 from nanwatch.core.formats.files import prepare_report_dir
@@ -45,17 +42,33 @@ from nanwatch.core.frames import Entry, Frame, Role
 from nanwatch.core.gcpause import pause_collection, resume_collection
 from nanwatch.core.hooks import HookSet, module_class_name, named_unique_modules, reshards_after_forward
 from nanwatch.core.log import get_logger, warn
-from nanwatch.core.ranks import Detection, DetectionBoard, world_size_and_rank
-from nanwatch.core.readouts import SUMMARY, GradScalerLike, Readout, Summary
+from nanwatch.core.ranks import Detection, world_size_and_rank
+from nanwatch.core.readouts import SUMMARY, GradScalerLike, Readout, Summary, checked_scaler
 from nanwatch.core.report import Report
-from nanwatch.core.scope import BatchSchedule, select_modules
-from nanwatch.core.stats.measure import StatsCache, extra_kernels
+from nanwatch.core.scope import select_modules
 from nanwatch.errors import BatchLimitReached
 
 __all__ = ["KEEP", "PHASES", "Watcher"]
 
 _F = TypeVar("_F", bound=Feature)
 _T = TypeVar("_T")
+
+
+class _Reads(Generic[_T]):
+    """A read-only attribute of the facade that one of its parts holds (`watcher.phase` is the counters' `phase`)."""
+
+    def __init__(self, part: str, doc: str | None = None) -> None:
+        self.part, self.__doc__ = part, doc
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    @overload
+    def __get__(self, facade: None, owner: type) -> _Reads[_T]: ...
+    @overload
+    def __get__(self, facade: object, owner: type) -> _T: ...
+    def __get__(self, facade: object, owner: type) -> Any:
+        return self if facade is None else getattr(getattr(facade, self.part), self.name)
 
 
 class Watcher:
@@ -81,11 +94,7 @@ class Watcher:
         found_world_size, found_rank = world_size_and_rank()
         # Held while watching, and only weakly once closed (`close()`): a closed watcher keeps no tensor of the model
         # alive (a notebook that deletes the model gets its memory back while the handle lives on).
-        self._model: torch.nn.Module | None = model
-        self._model_ref = weakref.ref(model)
-        self._entry: torch.nn.Module | None = None
-        self._entry_ref = self._model_ref
-        self.entry = model if entry is None else entry
+        self._model, self._entry = Held(model, "model"), Held(model if entry is None else entry, "entry module")
         self.config = config
         self.rank = found_rank if rank is None else rank
         self.world_size = found_world_size if world_size is None else world_size
@@ -100,49 +109,9 @@ class Watcher:
         self._last_loss: weakref.ref[torch.Tensor] | None = None
         self._replaying = False  # a watch of its own over a replay (`_rerun`)
         self._hooks = HookSet()
-        self._schedule = BatchSchedule(config)
-        self._cache = StatsCache(extra_kernels(config))
-        self._counters = Counters(self.logger)
-        self._features = FeatureSet(features_for(config), self.disable)
-        self._recorder = Recorder(
-            self._counters,
-            self._cache,
-            show_recomputes=config.watch_gradients,
-            trace=lambda frame, module, args, output: self._features.dispatch("on_frame", frame, module, args, output),
-            overflow=lambda: self._checker.check_early(),
-            disable=self.disable,
-        )
-        self._checker = Checker(
-            config,
-            self._counters,
-            self._recorder,
-            self._cache,
-            self._features,
-            rank=self.rank,
-            world_size=self.world_size,
-            disable=self.disable,
-        )
-        self._publisher = Publisher(config, self.logger, self._schedule, self._features, self.disable)
-        board = DetectionBoard.for_this_run(self.rank, self.world_size, config.rank_wait_s)
-        self._arbiter = Arbiter(
-            board,
-            self._publisher,
-            self._counters,
-            self.logger,
-            rank=self.rank,
-            world_size=self.world_size,
-            on_raise=self._micro_batch_raised,
-        )
-        self._features.ctx = EngineView(
-            self,
-            self._counters,
-            self._recorder,
-            self._checker,
-            self._publisher,
-            self._features,
-            self._cache,
-            self._schedule,
-        )
+        parts = assemble(self, config, features_for(config), on_raise=self._micro_batch_raised)
+        self._schedule, self._cache, self._counters, self._features = parts[:4]
+        self._recorder, self._checker, self._publisher, self._arbiter = parts[4:]
         self._update_recording()
 
     # ------------------------------------------------------------------------------------ the adapter contract
@@ -156,7 +125,8 @@ class Watcher:
         """
         if len(self._hooks):
             raise RuntimeError("nanwatch: hooks are already attached; call close() first")
-        self._model, self._entry = self.model, self.entry  # held again, if this watcher was closed before
+        self._model.hold()  # again, if this watcher was closed before
+        self._entry.hold()
         if self.config.report_dir is not None:
             prepare_report_dir(self.config.report_dir)  # a bad one is an error now, not a lost report later
         candidates = modules if modules is not None else named_unique_modules(self.model)
@@ -186,15 +156,7 @@ class Watcher:
         self._hooked = bool(selected)
 
     def close(self, *, check: bool = True, raise_detection: bool = False) -> Report | None:
-        """Stop watching: check what is still pending (no collective), remove every hook, let features sum up.
-
-        Args:
-            check: check the pending frames first, and publish a report if they hold inf/nan.
-            raise_detection: then raise `NonFiniteError` for that report (on this rank).
-
-        Returns:
-            The report published at close, or None.
-        """
+        """`AdapterContract.close` (core/contract.py)."""
         report = None
         try:
             if check and self._disabled_reason is None:
@@ -224,30 +186,29 @@ class Watcher:
         """Closed: hold nothing of the model any more (the modules, the compiled path's adapter hooks, the cache's
         tracked parameters and staging buffers; each feature dropped its own in `close`), only what a user may still
         read (the counters, the ring's frames, the reports, the summary's numbers)."""
-        self._model = self._entry = None
+        self._model.let_go()
+        self._entry.let_go()
         self._recorder.close()
         self._cache.clear()
 
     @property
     def model(self) -> torch.nn.Module:
         """The watched model. Once closed, held weakly: `ReferenceError` when nothing else keeps it alive."""
-        return _held(self._model, self._model_ref, "model")
+        return self._model.get()
 
     @property
     def entry(self) -> torch.nn.Module:
         """The module the user calls, when it wraps `model` (DDP, torch.compile): sentinel mode hooks it there,
         outside the wrapper's own machinery (a compiled graph), and runs `model` itself to replay. Once closed, held
         weakly (as `model`)."""
-        return _held(self._entry, self._entry_ref, "entry module")
+        return self._entry.get()
 
     @entry.setter
     def entry(self, module: torch.nn.Module) -> None:
-        self._entry, self._entry_ref = module, weakref.ref(module)
+        self._entry = Held(module, "entry module")
 
     def set_phase(self, phase: Phase) -> None:
-        """The forwards that follow belong to `phase` ("train": counted as `batch_number`; "eval": counted apart,
-        watched only with `watch_eval`), in the micro-batch already open (evaluation in the middle of a training
-        micro-batch, and back)."""
+        """`AdapterContract.set_phase` (core/contract.py)."""
         if phase not in PHASES:
             raise ValueError(f"phase can be one of {PHASES}, got {phase!r}")
         counters = self._counters
@@ -258,8 +219,7 @@ class Watcher:
             self._update_recording()
 
     def start_batch(self, phase: Phase, *, optimizer_step: Kept = KEEP, epoch: Kept = KEEP) -> None:
-        """A micro-batch of `phase` starts (or goes on: idempotent within a micro-batch); the forwards that follow
-        belong to it. Raises when another rank stopped: this rank stops too, before its next forward."""
+        """`AdapterContract.start_batch` (core/contract.py)."""
         self.set_phase(phase)
         self._counters.set(optimizer_step, epoch)
         if self._recorder.recording and self.config.pause_gc and self.config.mode == "full":
@@ -274,16 +234,7 @@ class Watcher:
                 self._settle(hold=False)
 
     def end_batch(self, *, optimizer_step: Kept = KEEP, epoch: Kept = KEEP) -> None:
-        """The current micro-batch is over: check it, then advance its phase's counter.
-
-        A training detection raises at once in a single process; distributed, it is published now and raised at the
-        next optimizer step, where every rank meets (with no guarded optimizer: now). An evaluation detection
-        raises now (evaluation may run on some ranks only; the others stop at their next check).
-
-        Raises:
-            NonFiniteError: this rank, or another, saw inf/nan.
-            BatchLimitReached: `abort_after_batch_num` was the batch that just ended.
-        """
+        """`AdapterContract.end_batch` (core/contract.py)."""
         self._counters.set(optimizer_step, epoch)
         try:
             self._end_batch()
@@ -330,18 +281,13 @@ class Watcher:
             warn(notice)
 
     def agreement_point(self, *, hold: bool = True) -> None:
-        """Check now (before backward, say) rather than at the end of the micro-batch; a detection raises as in
-        `end_batch()` (`hold=False`: at once, on every rank that meets this check)."""
+        """`AdapterContract.agreement_point` (core/contract.py)."""
         self._settle(hold=hold)
 
     def on_optimizer_step(
         self, stage: OptimizerStage, optimizer: torch.optim.Optimizer | None = None, *, optimizer_step: Kept = KEEP
     ) -> None:
-        """An optimizer step is at `stage`: "guarded" (the adapter will report "before" for each of its steps),
-        "before" it applies the gradients (the recorded frames and the gradients are checked, and every rank agrees:
-        a step that would apply inf/nan never runs), "after" it ran (counted), or "settled" (the loss scaler decided
-        the last micro-batch's step). `optimizer_step`: the framework's own count of completed steps, if it keeps one.
-        """
+        """`AdapterContract.on_optimizer_step` (core/contract.py)."""
         self._counters.set(optimizer_step)
         if stage == "guarded":
             self._guarded = True
@@ -371,21 +317,8 @@ class Watcher:
     def watch_scaler(
         self, scaler: GradScalerLike, *, read_scale: Literal["at_batch_end", "when_settled"] = "at_batch_end"
     ) -> None:
-        """Follow a `torch.amp.GradScaler`: inf/nan gradients on steps it skips are expected (core/features/
-        loss_scale.py). `read_scale`: when its scale is read, as each micro-batch ends or at the "settled" stage.
-
-        Raises:
-            TypeError: `scaler` is not a GradScaler.
-            ValueError: `read_scale` is neither of the two.
-        """
-        if not isinstance(scaler, GradScalerLike):
-            raise TypeError(
-                "scaler must be a torch.amp.GradScaler (an object with get_scale() and is_enabled()), "
-                f"got {type(scaler).__name__}"
-            )
-        if read_scale not in ("at_batch_end", "when_settled"):
-            raise ValueError(f"read_scale can be 'at_batch_end' or 'when_settled', got {read_scale!r}")
-        self._features.dispatch("on_scaler", scaler, read_scale)
+        """`AdapterContract.watch_scaler` (core/contract.py)."""
+        self._features.dispatch("on_scaler", checked_scaler(scaler, read_scale), read_scale)
 
     def state_dict(self) -> dict[str, Any]:
         return self._counters.state_dict()
@@ -406,39 +339,14 @@ class Watcher:
 
     # ------------------------------------------------------------------------------------------ what to read
 
-    @property
-    def phase(self) -> Phase:
-        return self._counters.phase
-
-    @property
-    def batch_number(self) -> int:
-        """The current (or next) training micro-batch."""
-        return self._counters.batch_number
-
-    @property
-    def eval_batch_number(self) -> int:
-        return self._counters.eval_batch_number
-
-    @property
-    def optimizer_step(self) -> int | None:
-        return self._counters.optimizer_step
-
-    @property
-    def epoch(self) -> int | None:
-        return self._counters.epoch
-
-    @property
-    def current_batch(self) -> int:
-        return self._counters.current_batch
-
-    @property
-    def recording(self) -> bool:
-        return self._recorder.recording
-
-    @property
-    def tracing(self) -> bool:
-        """Whether the current batch is traced (`trace_batch_nums`, `trace_ranks`)."""
-        return self._recorder.tracing
+    phase = _Reads[Phase]("_counters")
+    batch_number = _Reads[int]("_counters", "The current (or next) training micro-batch.")
+    eval_batch_number = _Reads[int]("_counters")
+    optimizer_step = _Reads["int | None"]("_counters")
+    epoch = _Reads["int | None"]("_counters")
+    current_batch = _Reads[int]("_counters", "The current micro-batch of the current phase.")
+    recording = _Reads[bool]("_recorder", "Whether the current micro-batch is recorded.")
+    tracing = _Reads[bool]("_recorder", "Whether the current batch is traced (`trace_batch_nums`, `trace_ranks`).")
 
     @property
     def attached(self) -> bool:
@@ -498,17 +406,10 @@ class Watcher:
     def _update_recording(self) -> None:
         """Whether the hooks record, and trace, from here on: decided at batch boundaries and phase changes only (the
         hooks test one bool, so an unwatched batch costs nothing)."""
-        counters, recorder = self._counters, self._recorder
+        counters, recorder, schedule = self._counters, self._recorder, self._schedule
         try:
-            recorder.tracing = (
-                counters.phase == "train"
-                and counters.batch_number in self.config.trace_batch_nums
-                and rank_in(self.rank, self.config.trace_ranks)
-            )
-            if counters.phase == "train":
-                watched = self._schedule.watched(counters.batch_number)
-            else:
-                watched = self.config.watch_eval
+            recorder.tracing = schedule.traces(counters.phase, counters.batch_number, self.rank)
+            watched = schedule.records(counters.phase, counters.batch_number)
         except Exception as error:  # a bug in deciding what to watch must not end the run
             self.disable(f"deciding whether to watch batch_number={counters.batch_number} failed: {error!r}")
             return
@@ -545,13 +446,6 @@ class Watcher:
 
 def _detection_of(report: Report, rank: int) -> Detection:
     return Detection(report.batch_number, rank, report.phase)
-
-
-def _held(module: torch.nn.Module | None, ref: weakref.ref[torch.nn.Module], what: str) -> torch.nn.Module:
-    found = module if module is not None else ref()
-    if found is None:
-        raise ReferenceError(f"nanwatch: the watched {what} no longer exists (this watcher was closed, and let it go)")
-    return found
 
 
 if TYPE_CHECKING:

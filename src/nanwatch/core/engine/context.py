@@ -19,15 +19,15 @@ from nanwatch.core.frames import Frame
 from nanwatch.core.hooks import HookSet
 from nanwatch.core.readouts import Summary
 from nanwatch.core.report import Report, ReportSection
-from nanwatch.core.scope import BatchSchedule
+from nanwatch.core.scope import BatchSchedule, rank_in
 from nanwatch.core.stats.measure import Measurement, StatsCache
 
-__all__ = ["EngineView", "rank_in"]
+__all__ = ["EngineView", "Facade"]
 
 Rerun = Callable[..., "Report | None"]
 
 
-class _Facade(Protocol):
+class Facade(Protocol):
     """What the view reads of the facade itself (core/watcher.py) rather than of a part."""
 
     @property
@@ -54,17 +54,12 @@ class _Facade(Protocol):
     def disable(self, reason: str) -> None: ...
 
 
-def rank_in(rank: int, ranks: Literal["zero", "all"] | list[int]) -> bool:
-    """Whether `rank` is one of `ranks`, as `trace_ranks` names them."""
-    return ranks == "all" or (rank == 0 if ranks == "zero" else rank in ranks)
-
-
 class EngineView:
     """Implements `EngineContext` over the facade and the parts it wires."""
 
     def __init__(
         self,
-        facade: _Facade,
+        facade: Facade,
         counters: Counters,
         recorder: Recorder,
         checker: Checker,

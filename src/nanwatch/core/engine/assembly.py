@@ -1,0 +1,62 @@
+"""How the parts of one engine are made and wired to each other (core/watcher.py holds them)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+from nanwatch.core.config import WatchConfig
+from nanwatch.core.engine.arbiter import Arbiter
+from nanwatch.core.engine.checker import Checker
+from nanwatch.core.engine.context import EngineView, Facade
+from nanwatch.core.engine.counters import Counters
+from nanwatch.core.engine.plugins import FeatureSet
+from nanwatch.core.engine.publisher import Publisher
+from nanwatch.core.engine.recorder import Recorder
+from nanwatch.core.events import Feature
+from nanwatch.core.ranks import DetectionBoard
+from nanwatch.core.scope import BatchSchedule
+from nanwatch.core.stats.measure import StatsCache, extra_kernels
+
+__all__ = ["Parts", "assemble"]
+
+
+class Parts(NamedTuple):
+    schedule: BatchSchedule
+    cache: StatsCache
+    counters: Counters
+    features: FeatureSet
+    recorder: Recorder
+    checker: Checker
+    publisher: Publisher
+    arbiter: Arbiter
+
+
+def assemble(facade: Facade, config: WatchConfig, features: list[Feature], *, on_raise: Callable[[], None]) -> Parts:
+    """The parts of `facade`'s engine, each given what it needs of the others; the features get their context.
+
+    Args:
+        features: from `features_for(config)` (the facade's choice: the engine knows no concrete feature).
+        on_raise: called as a detection is raised (the micro-batch ends there).
+    """
+    rank, world_size, logger, disable = facade.rank, facade.world_size, facade.logger, facade.disable
+    schedule = BatchSchedule(config)
+    cache = StatsCache(extra_kernels(config))
+    counters = Counters(logger)
+    plugins = FeatureSet(features, disable)
+    checkers: list[Checker] = []  # the recorder asks the checker for an early check; made just below
+    recorder = Recorder(
+        counters,
+        cache,
+        show_recomputes=config.watch_gradients,
+        trace=lambda frame, module, args, output: plugins.dispatch("on_frame", frame, module, args, output),
+        overflow=lambda: checkers[0].check_early(),
+        disable=disable,
+    )
+    checker = Checker(config, counters, recorder, cache, plugins, rank=rank, world_size=world_size, disable=disable)
+    checkers.append(checker)
+    publisher = Publisher(config, logger, schedule, plugins, disable)
+    board = DetectionBoard.for_this_run(rank, world_size, config.rank_wait_s)
+    arbiter = Arbiter(board, publisher, counters, logger, rank=rank, world_size=world_size, on_raise=on_raise)
+    plugins.ctx = EngineView(facade, counters, recorder, checker, publisher, plugins, cache, schedule)
+    return Parts(schedule, cache, counters, plugins, recorder, checker, publisher, arbiter)
