@@ -16,9 +16,9 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
 from nanwatch.core.compiler import compiled_inner
+from nanwatch.core.contract import AdapterContract
 from nanwatch.core.hooks import wrapped_module
 from nanwatch.core.log import warn
-from nanwatch.core.watcher import Watcher
 from nanwatch.errors import NanwatchError
 
 __all__ = [
@@ -52,7 +52,7 @@ def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def entry_module(given: torch.nn.Module, watched: torch.nn.Module) -> torch.nn.Module:
-    """The module the user calls, for `Watcher.entry`: a `torch.compile` wrapper stays the entry (sentinel mode hooks
+    """The module the user calls, for `Watcher(entry=)`: a `torch.compile` wrapper stays the entry (sentinel mode hooks
     it, outside the compiled graph, and replays the module inside eagerly); otherwise the watched module itself."""
     compiled = isinstance(getattr(given, "_orig_mod", None), torch.nn.Module)
     return given if compiled and given is not watched else watched
@@ -86,7 +86,7 @@ def real_optimizer(optimizer: Any) -> torch.optim.Optimizer:
     return inner
 
 
-def stop_on_error(watcher: Watcher, action: Callable[[], None]) -> None:
+def stop_on_error(watcher: AdapterContract, action: Callable[[], None]) -> None:
     """Run an engine call; if it raises nanwatch's own error (a detection, the batch limit), remove every hook
     before the error leaves nanwatch, so a run that stops carries no hook of ours."""
     try:
@@ -104,7 +104,7 @@ def _run(action: Callable[[], None]) -> None:
 
 
 def guard_optimizers(
-    watcher: Watcher,
+    watcher: AdapterContract,
     optimizers: Iterable[Any],
     *,
     count_steps: bool = True,
@@ -146,7 +146,7 @@ def guard_optimizers(
             watcher.hooks.add_handle(real.register_step_post_hook(after))
 
 
-def warn_if_steps_unguarded(watcher: Watcher, models: Iterable[torch.nn.Module], fix: str) -> None:
+def warn_if_steps_unguarded(watcher: AdapterContract, models: Iterable[torch.nn.Module], fix: str) -> None:
     """An optimizer that nanwatch does not guard can apply inf/nan to the weights before nanwatch checks, at the end
     of the micro-batch: say so once, with `fix`, as the first step of such an optimizer that updates a parameter of
     `models` is about to run (a global optimizer step pre-hook, removed when the watcher closes). A run that steps no
@@ -189,11 +189,11 @@ def warn_if_steps_unguarded(watcher: Watcher, models: Iterable[torch.nn.Module],
 
 
 # The global step pre-hooks of `warn_if_steps_unguarded`, with their watchers (weakly).
-_STEP_HOOKS: list[tuple[weakref.ref[Watcher], RemovableHandle]] = []
+_STEP_HOOKS: list[tuple[weakref.ref[AdapterContract], RemovableHandle]] = []
 
 
 def add_phase_hook(
-    watcher: Watcher,
+    watcher: AdapterContract,
     root: torch.nn.Module,
     before: Callable[[torch.nn.Module, tuple[Any, ...]], None],
     *,
@@ -206,7 +206,7 @@ def add_phase_hook(
     watcher.hooks.add_handle(root.register_forward_pre_hook(hook, prepend=prepend))
 
 
-def close_when_forward_raises(watcher: Watcher, root: torch.nn.Module, close: Callable[[], None]) -> None:
+def close_when_forward_raises(watcher: AdapterContract, root: torch.nn.Module, close: Callable[[], None]) -> None:
     """Run `close` when the root's forward raises the user's own error, for frameworks that tell callbacks nothing
     when training fails (the HF Trainer): the error goes on unchanged, and no hook of ours stays on the model."""
 
@@ -250,7 +250,7 @@ class _WrappedMethod:
 _NOTHING = object()
 
 
-def watch_loss_of(watcher: Watcher, obj: Any, method: str) -> None:
+def watch_loss_of(watcher: AdapterContract, obj: Any, method: str) -> None:
     """Have `obj.method(loss, ...)` (Accelerate's `accelerator.backward`) record its loss first, until the watcher
     closes (a loss the user recorded already is not recorded twice: `Watcher.watch_loss`)."""
     original = getattr(obj, method)

@@ -26,6 +26,7 @@ from nanwatch.adapters._common import (
     watch_loss_of,
 )
 from nanwatch.core.config import WatchConfig, resolve_config
+from nanwatch.core.contract import AdapterContract
 from nanwatch.core.readouts import Summary, scaler_of
 from nanwatch.core.watcher import Watcher
 
@@ -67,14 +68,14 @@ class OverflowTracker(GeneralTracker):  # type: ignore[misc]
             ) from _IMPORT_ERROR
         super().__init__()
         self.config = resolve_config(config, **overrides)
-        self.watcher: Watcher | None = None
+        self.watcher: AdapterContract | None = None
         self._accelerator: Accelerator | None = None
         self._batch_open = False
         self._user_epoch: int | None = None
         self._pending_state: dict[str, Any] | None = None
 
     @property
-    def tracker(self) -> Watcher | None:
+    def tracker(self) -> AdapterContract | None:
         """The core `Watcher` (None before `attach()`)."""
         return self.watcher
 
@@ -105,8 +106,13 @@ class OverflowTracker(GeneralTracker):  # type: ignore[misc]
             raise RuntimeError("nanwatch: OverflowTracker is already attached; call detach() first")
         self._accelerator = accelerator
         root = accelerator.unwrap_model(check_model(model, "OverflowTracker.attach()"), keep_torch_compile=False)
-        watcher = Watcher(root, self.config, rank=accelerator.process_index, world_size=accelerator.num_processes)
-        watcher.entry = entry_module(model, root)
+        watcher: AdapterContract = Watcher(
+            root,
+            self.config,
+            rank=accelerator.process_index,
+            world_size=accelerator.num_processes,
+            entry=entry_module(model, root),
+        )
         if self._pending_state is not None:
             watcher.load_state_dict(self._pending_state)
             self._pending_state = None

@@ -19,6 +19,7 @@ import torch
 
 from nanwatch.adapters._common import add_phase_hook, close_when_forward_raises, guard_optimizers, unwrap_model
 from nanwatch.core.config import WatchConfig, resolve_config
+from nanwatch.core.contract import AdapterContract
 from nanwatch.core.readouts import LOSS_SCALE_HISTORY, LossScaleHistory, Summary, scaler_of
 from nanwatch.core.watcher import Watcher
 
@@ -61,7 +62,7 @@ class OverflowTrainerCallback(TrainerCallback):  # type: ignore[misc,unused-igno
                 'pip install "nanwatch[transformers]"'
             ) from _MISSING_TRANSFORMERS
         self.config = resolve_config(config, **overrides)
-        self.watcher: Watcher | None = None
+        self.watcher: AdapterContract | None = None
         self._summary: dict[str, float] | None = None  # due, waiting for the Trainer's next log event
         self.loss_scale: LossScaleHistory | None = None
 
@@ -77,7 +78,7 @@ class OverflowTrainerCallback(TrainerCallback):  # type: ignore[misc,unused-igno
         root = unwrap_model(model)
         # Rank and world size come from torch.distributed (as args.process_index does): its default group carries
         # the agreement all-reduce.
-        watcher = Watcher(root, self.config)
+        watcher: AdapterContract = Watcher(root, self.config)
         batches = _micro_batches_done(args, state, kwargs.get("train_dataloader"))
         watcher.load_state_dict({"batch_number": batches, "optimizer_step": state.global_step, "epoch": _epoch(state)})
         optimizer = kwargs.get("optimizer")

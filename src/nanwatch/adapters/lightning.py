@@ -16,6 +16,7 @@ from torch import Tensor
 
 from nanwatch.adapters._common import guard_optimizers, warn_if_steps_unguarded
 from nanwatch.core.config import WatchConfig, resolve_config
+from nanwatch.core.contract import AdapterContract
 from nanwatch.core.hooks import named_unique_modules
 from nanwatch.core.log import get_logger
 from nanwatch.core.readouts import Summary, scaler_of
@@ -55,13 +56,15 @@ class OverflowCallback(Callback):
             ) from _LIGHTNING_IMPORT_ERROR
         super().__init__()
         self.config = resolve_config(config, **overrides)
-        self.watcher: Watcher | None = None  # while a fit (or a watched validate/test) runs
+        self.watcher: AdapterContract | None = None  # while a fit (or a watched validate/test) runs
         self._counters: dict[str, Any] | None = None  # kept between fits, restored from checkpoints
 
     def _start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.watcher is not None:
             return
-        watcher = Watcher(pl_module, self.config, rank=trainer.global_rank, world_size=trainer.world_size)
+        watcher: AdapterContract = Watcher(
+            pl_module, self.config, rank=trainer.global_rank, world_size=trainer.world_size
+        )
         if self._counters is not None:
             watcher.load_state_dict(self._counters)
         # The LightningModule itself is left out: under DDP its forward runs as the wrapper's, elsewhere not at all.

@@ -31,6 +31,7 @@ from nanwatch.adapters._common import (
     warn_if_steps_unguarded,
 )
 from nanwatch.core.config import WatchConfig, resolve_config
+from nanwatch.core.contract import AdapterContract
 from nanwatch.core.log import warn
 from nanwatch.core.readouts import GradScalerLike
 from nanwatch.core.watcher import Watcher
@@ -53,8 +54,8 @@ class WatchHandle:
         watched = unwrap_model(check_model(model, "watch()"))
         if optimizer is not None:
             check_optimizer(optimizer, "watch()")
-        self.watcher = Watcher(watched, config)  # holds the model while watching, and lets it go at close()
-        self.watcher.entry = entry_module(model, watched)
+        # Holds the model while watching, and lets it go at close().
+        self.watcher: AdapterContract = Watcher(watched, config, entry=entry_module(model, watched))
         if scaler is not None:  # before attach: a bad scaler raises with no hook left behind
             self.watcher.watch_scaler(scaler, read_scale="when_settled")
         self._closed = False
