@@ -9,13 +9,12 @@ optimization or with `watch_gradients`. `abort_after_batch_num` sets `trainer.sh
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
 
-from nanwatch.adapters._common import guard_optimizers, warn_if_steps_unguarded
-from nanwatch.core.config import WatchConfig, resolve_config
+from nanwatch.adapters import _common
+from nanwatch.core.config import resolve_config
 from nanwatch.core.contract import AdapterContract
 from nanwatch.core.hooks import named_unique_modules
 from nanwatch.core.log import get_logger
@@ -48,12 +47,12 @@ class OverflowCallback(Callback):
         ConfigError: the config or an override names an unknown field or holds a bad value.
     """
 
-    def __init__(self, config: WatchConfig | dict[str, Any] | str | Path | None = None, **overrides: Any) -> None:
-        if _LIGHTNING_IMPORT_ERROR is not None:
-            raise ImportError(
-                "nanwatch's OverflowCallback needs the `lightning` package, which could not be imported "
-                f'({_LIGHTNING_IMPORT_ERROR}). Install it with: pip install "nanwatch[lightning]"'
-            ) from _LIGHTNING_IMPORT_ERROR
+    def __init__(self, config: _common.ConfigLike = None, **overrides: Any) -> None:
+        message = "nanwatch's OverflowCallback needs the `lightning` package, which could not be imported "
+        _common.require(
+            _LIGHTNING_IMPORT_ERROR,
+            f'{message}({_LIGHTNING_IMPORT_ERROR}). Install it with: pip install "nanwatch[lightning]"',
+        )
         super().__init__()
         self.config = resolve_config(config, **overrides)
         self.watcher: AdapterContract | None = None  # while a fit (or a watched validate/test) runs
@@ -79,9 +78,9 @@ class OverflowCallback(Callback):
             watcher.watch_scaler(scaler)
         # Checked before each step (after Lightning's closure computed the gradients); under a scaler only the steps
         # it does not skip reach the optimizer.
-        guard_optimizers(watcher, trainer.optimizers, count_steps=False)
+        _common.guard_optimizers(watcher, trainer.optimizers, count_steps=False)
         # Manual optimization may step an optimizer of its own, which Lightning does not know: said once.
-        warn_if_steps_unguarded(
+        _common.warn_if_steps_unguarded(
             watcher,
             (pl_module,),
             "Return the optimizer from configure_optimizers(): nanwatch then checks before each of its steps.",
@@ -111,10 +110,8 @@ class OverflowCallback(Callback):
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         # Lightning re-raises `exception` after this hook; nothing here may replace or hide it. The user's own error
         # may come from an inf/nan we saw: check what is pending (no collective) and publish it.
-        try:
-            self._stop(check=not isinstance(exception, NonFiniteError))
-        except Exception as error:
-            get_logger().warning(f"nanwatch could not check the last batch after {exception!r}: {error!r}")
+        check = not isinstance(exception, NonFiniteError)
+        _common.close_after(exception, lambda: self._stop(check=check), get_logger(), "check the last batch")
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         if self.watcher is not None:
