@@ -35,7 +35,6 @@ __all__ = [
     "check_config",
     "real_optimizer",
     "stop_on_error",
-    "stopping",
     "add_phase_hook",
     "hook_root",
     "close_when_forward_raises",
@@ -47,41 +46,18 @@ __all__ = [
     "watch_loss_of",
 ]
 
-# What every adapter takes as its config: a `WatchConfig`, a dict of its fields, or the path of a YAML/JSON file.
+# The config every adapter takes: a `WatchConfig`, a dict of its fields, or the path of a YAML/JSON file.
 ConfigLike: TypeAlias = WatchConfig | dict[str, Any] | str | Path | None
+Runner = Callable[[Callable[[], None]], None]  # runs an engine call (see stop_on_error)
+PreHook = Callable[[torch.nn.Module, tuple[Any, ...]], None]  # a forward pre-hook: (module, args)
 
 # ------------------------------------------------------------------------------------------ arguments
 
 
 def require(missing: ImportError | None, message: str) -> None:
-    """Raise `message` (what to install) when the adapter's framework could not be imported: importing the adapter
-    alone never fails, constructing it does."""
+    """Raise `message` (what to install) when the framework is missing: importing an adapter never fails."""
     if missing is not None:
         raise ImportError(message) from missing
-
-
-class UserHandle:
-    """What the object a user holds offers in each adapter that hands one out (`nanwatch.watch`'s handle, Accelerate's
-    tracker): the loss recorded, the batch counter read."""
-
-    watcher: AdapterContract | None
-
-    def watch_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """Record a loss computed outside the model as a frame of its own (module `(loss)`); returns `loss`:
-        `scaler.scale(handle.watch_loss(loss)).backward()`, `accelerator.backward(tracker.watch_loss(loss))`.
-
-        A non-finite loss is then reported as such. Under a `GradScaler` it matters most: an inf loss makes every
-        gradient inf, which without this looks like an overflow the scaler handles, until the scale hits its floor. A
-        loss the model returns (as transformers models do) is already in the model's own frame.
-        """
-        if self.watcher is not None:
-            self.watcher.watch_loss(loss)
-        return loss
-
-    @property
-    def batch_number(self) -> int:
-        """The current training micro-batch, 0-indexed: how many have ended."""
-        return 0 if self.watcher is None else self.watcher.batch_number
 
 
 def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
@@ -128,8 +104,7 @@ def check_optimizer(optimizer: object, caller: str) -> None:
 
 
 def check_config(config: object, caller: str) -> None:
-    """A one-line `ConfigError` when an optimizer or a GradScaler is passed where the config goes
-    (`watch(model, optimizer)`): it says which keyword takes it."""
+    """A `ConfigError` naming the keyword when the config argument is an optimizer or a GradScaler."""
     if isinstance(getattr(config, "optimizer", config), torch.optim.Optimizer):
         keyword = "optimizer"
     elif callable(getattr(config, "get_scale", None)) and callable(getattr(config, "unscale_", None)):
@@ -163,13 +138,9 @@ def stop_on_error(
     errors: type[BaseException] = NanwatchError,
 ) -> None:
     """Run an engine call; if it raises nanwatch's own error (a detection, the batch limit), remove every hook
-    before the error leaves nanwatch, so a run that stops carries no hook of ours.
-
-    Args:
-        close: removes the hooks; `watcher.close(check=False)` by default (an adapter may keep state of its own).
-        errors: what is caught; an adapter whose framework tells it nothing when training raises (the HF Trainer)
-            passes `BaseException`, so no error of any kind leaves hooks behind.
-    """
+    (`close`, by default `watcher.close(check=False)`) before the error leaves nanwatch, so a run that stops carries no
+    hook of ours. A framework that tells adapters nothing when training raises (the HF Trainer) has `errors` catch
+    every error."""
     try:
         action()
     except errors:
@@ -188,16 +159,6 @@ def close_after(failure: BaseException | None, close: Callable[[], None], logger
         logger.warning(f"nanwatch could not {what} after {failure!r}: {error!r}")
 
 
-Runner = Callable[[Callable[[], None]], None]
-
-
-def stopping(
-    watcher: AdapterContract, *, close: Callable[[], None] | None = None, errors: type[BaseException] = NanwatchError
-) -> Runner:
-    """`stop_on_error` bound to `watcher` (and `close`, `errors`): a runner of engine calls."""
-    return lambda action: stop_on_error(watcher, action, close=close, errors=errors)
-
-
 def _run(action: Callable[[], None]) -> None:
     action()
 
@@ -205,13 +166,7 @@ def _run(action: Callable[[], None]) -> None:
 # -------------------------------------------------------------------------------- the root's hooks
 
 
-def add_phase_hook(
-    watcher: AdapterContract,
-    root: torch.nn.Module,
-    before: Callable[[torch.nn.Module, tuple[Any, ...]], None],
-    *,
-    prepend: bool = False,
-) -> None:
+def add_phase_hook(watcher: AdapterContract, root: torch.nn.Module, before: PreHook, *, prepend: bool = False) -> None:
     """A forward pre-hook on the root module (where each top-level forward starts), removed by `watcher.close()`.
     A graph that compiles the root with its hooks (an `nn.Sequential` given to torch.compile) does not trace it: the
     hook runs as the graph's records are turned into frames (`Watcher.outside_graph`)."""
@@ -219,13 +174,7 @@ def add_phase_hook(
     watcher.hooks.add_handle(root.register_forward_pre_hook(hook, prepend=prepend))
 
 
-def hook_root(
-    watcher: AdapterContract,
-    root: torch.nn.Module,
-    before: Callable[[torch.nn.Module, tuple[Any, ...]], None],
-    *,
-    prepend: bool = False,
-) -> None:
+def hook_root(watcher: AdapterContract, root: torch.nn.Module, before: PreHook, *, prepend: bool = False) -> None:
     """`before` each top-level forward (`add_phase_hook`), and after it the end of an eval forward's batch: nobody
     ends it otherwise (no step() in a loop's evaluation), so it is checked as soon as the forward returns, on this
     rank alone (evaluation may run on some ranks only). For adapters that see no batch events, only the forwards."""
@@ -310,17 +259,16 @@ def guard_optimizers(
 
 
 def guard_steps(watcher: AdapterContract, optimizers: list[Any]) -> None:
-    """`guard_optimizers`, stopping cleanly when a check raises, and counting `optimizer_step` from 0 where the
-    framework keeps no count of its own."""
+    """`guard_optimizers` that stops cleanly, its steps counted from 0 where the framework counts none."""
     if optimizers and watcher.optimizer_step is None:
         watcher.set_counters(optimizer_step=0)
-    guard_optimizers(watcher, optimizers, run=stopping(watcher))
+    guard_optimizers(watcher, optimizers, run=lambda action: stop_on_error(watcher, action))
 
 
 def watch_root(
     watcher: AdapterContract,
     root: torch.nn.Module,
-    before: Callable[[torch.nn.Module, tuple[Any, ...]], None],
+    before: PreHook,
     *,
     optimizers: list[Any],
     models: Iterable[torch.nn.Module],
@@ -415,3 +363,29 @@ def watch_loss_of(watcher: AdapterContract, obj: Any, method: str) -> None:
         return original(loss, *args, **kwargs)
 
     watcher.hooks.add_handle(_WrappedMethod(obj, method, wrapper))
+
+
+# ------------------------------------------------------------------------------- what the user holds
+
+
+class UserHandle:
+    """What the object a user holds (`nanwatch.watch`'s handle, Accelerate's tracker) offers in both."""
+
+    watcher: AdapterContract | None
+
+    def watch_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """Record a loss computed outside the model as a frame of its own (module `(loss)`); returns `loss`:
+        `scaler.scale(handle.watch_loss(loss)).backward()`, `accelerator.backward(tracker.watch_loss(loss))`.
+
+        A non-finite loss is then reported as such. Under a `GradScaler` it matters most: an inf loss makes every
+        gradient inf, which without this looks like an overflow the scaler handles, until the scale hits its floor. A
+        loss the model returns (as transformers models do) is already in the model's own frame.
+        """
+        if self.watcher is not None:
+            self.watcher.watch_loss(loss)
+        return loss
+
+    @property
+    def batch_number(self) -> int:
+        """The current training micro-batch, 0-indexed: how many have ended."""
+        return 0 if self.watcher is None else self.watcher.batch_number

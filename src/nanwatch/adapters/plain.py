@@ -3,9 +3,8 @@
 The loop calls `handle.step()` after each micro-batch; that is the batch counter. Passing the optimizer lets nanwatch
 check before every optimizer step, so a step that would apply inf/nan never runs. Under a `GradScaler` (`scaler=`),
 the scale of a micro-batch's step is read as the next micro-batch starts: `step()` may come before or after
-`scaler.step()`. When nanwatch raises (a detection, the batch limit, the loss scale's floor) the handle removes its
-hooks first, as the other adapters do (`step()` goes on counting, recording nothing). One watcher per model: see
-`_take_over`.
+`scaler.step()`. When nanwatch raises, the handle removes its hooks first (`step()` goes on counting, recording
+nothing); one watcher per model (`_take_over`).
 """
 
 from __future__ import annotations
@@ -135,10 +134,8 @@ class WatchHandle(_common.UserHandle):
         _common.stop_on_error(self.watcher, lambda: self.watcher.agreement_point(hold=False))
 
     def summary(self) -> dict[str, float]:
-        """The abs max of every watched module in the last training batch checked clean, also logged to "nanwatch".
-
-        Reads the numbers back from the device (one transfer); `summary_every_n_batches` logs the same every N
-        batches from `step()` without being asked.
+        """The abs max of every watched module in the last training batch checked clean, also logged to "nanwatch"
+        (one transfer from the device; `summary_every_n_batches` logs the same every N batches unasked).
 
         Returns:
             `{"nanwatch/absmax/<module>": value, ..., "nanwatch/absmax_global": value, "nanwatch/batch_number": n}`
