@@ -100,9 +100,7 @@ class OverflowCallback(Callback):
         if self.config.watch_eval:  # a stand-alone `trainer.validate()`; under `fit()` the watcher already runs
             self._start(trainer, pl_module)
 
-    def on_test_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if self.config.watch_eval:
-            self._start(trainer, pl_module)
+    on_test_start = on_validation_start
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self._stop()
