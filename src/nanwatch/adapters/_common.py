@@ -1,37 +1,63 @@
-"""What every adapter shares: looking through wrappers, guarding optimizers, stopping cleanly, the root pre-hook.
+"""What every adapter shares: its arguments checked, stopping cleanly, the root's hooks, guarding optimizers.
 
-An adapter maps its framework's events onto the engine's contract (core/watcher.py: attach, start_batch, end_batch,
-agreement_point, on_optimizer_step, watch_loss, watch_scaler, close, state dicts) and nothing more.
+An adapter maps its framework's events onto the engine's contract (core/contract.py: `AdapterContract`, the only
+members of the watcher an adapter may use) and nothing more.
 """
 
 from __future__ import annotations
 
+import logging
 import sys
 import weakref
 from collections.abc import Callable, Iterable
-from typing import Any
+from pathlib import Path
+from typing import Any, TypeAlias
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
 from nanwatch.core.compiler import compiled_inner
+from nanwatch.core.config import WatchConfig
+from nanwatch.core.contract import AdapterContract
 from nanwatch.core.hooks import wrapped_module
 from nanwatch.core.log import warn
-from nanwatch.core.watcher import Watcher
-from nanwatch.errors import NanwatchError
+from nanwatch.errors import ConfigError, NanwatchError
 
 __all__ = [
+    "ConfigLike",
+    "require",
+    "UserHandle",
     "unwrap_model",
-    "guard_optimizers",
-    "stop_on_error",
-    "add_phase_hook",
-    "real_optimizer",
-    "close_when_forward_raises",
+    "entry_module",
     "check_model",
     "check_optimizer",
+    "check_config",
+    "real_optimizer",
+    "stop_on_error",
+    "add_phase_hook",
+    "hook_root",
+    "close_when_forward_raises",
+    "close_after",
+    "guard_optimizers",
+    "guard_steps",
+    "watch_root",
     "warn_if_steps_unguarded",
+    "watch_loss_of",
 ]
+
+# The config every adapter takes: a `WatchConfig`, a dict of its fields, or the path of a YAML/JSON file.
+ConfigLike: TypeAlias = WatchConfig | dict[str, Any] | str | Path | None
+Runner = Callable[[Callable[[], None]], None]  # runs an engine call (see stop_on_error)
+PreHook = Callable[[torch.nn.Module, tuple[Any, ...]], None]  # a forward pre-hook: (module, args)
+
+# ------------------------------------------------------------------------------------------ arguments
+
+
+def require(missing: ImportError | None, message: str) -> None:
+    """Raise `message` (what to install) when the framework is missing: importing an adapter never fails."""
+    if missing is not None:
+        raise ImportError(message) from missing
 
 
 def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
@@ -52,7 +78,7 @@ def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def entry_module(given: torch.nn.Module, watched: torch.nn.Module) -> torch.nn.Module:
-    """The module the user calls, for `Watcher.entry`: a `torch.compile` wrapper stays the entry (sentinel mode hooks
+    """The module the user calls, for `Watcher(entry=)`: a `torch.compile` wrapper stays the entry (sentinel mode hooks
     it, outside the compiled graph, and replays the module inside eagerly); otherwise the watched module itself."""
     compiled = isinstance(getattr(given, "_orig_mod", None), torch.nn.Module)
     return given if compiled and given is not watched else watched
@@ -77,6 +103,21 @@ def check_optimizer(optimizer: object, caller: str) -> None:
         raise TypeError(f"{caller} needs optimizer= a torch.optim.Optimizer{hint}, got {type(optimizer).__name__}")
 
 
+def check_config(config: object, caller: str) -> None:
+    """A `ConfigError` naming the keyword when the config argument is an optimizer or a GradScaler."""
+    if isinstance(getattr(config, "optimizer", config), torch.optim.Optimizer):
+        keyword = "optimizer"
+    elif callable(getattr(config, "get_scale", None)) and callable(getattr(config, "unscale_", None)):
+        keyword = "scaler"
+    else:
+        return
+    raise ConfigError(
+        f"{caller}: the second argument is the config (a WatchConfig, a dict, or the path of a YAML/JSON file), got "
+        f"{type(config).__name__}, {'an' if keyword == 'optimizer' else 'a'} {keyword}: pass it by keyword, "
+        f"nanwatch.watch(model, {keyword}={keyword})"
+    )
+
+
 def real_optimizer(optimizer: Any) -> torch.optim.Optimizer:
     """The torch optimizer inside a framework's wrapper (Accelerate's `AcceleratedOptimizer` keeps it as
     `.optimizer` and is no torch Optimizer itself: hooks go on the real one)."""
@@ -86,25 +127,96 @@ def real_optimizer(optimizer: Any) -> torch.optim.Optimizer:
     return inner
 
 
-def stop_on_error(watcher: Watcher, action: Callable[[], None]) -> None:
+# -------------------------------------------------------------------------------------------- stopping
+
+
+def stop_on_error(
+    watcher: AdapterContract,
+    action: Callable[[], None],
+    *,
+    close: Callable[[], None] | None = None,
+    errors: type[BaseException] = NanwatchError,
+) -> None:
     """Run an engine call; if it raises nanwatch's own error (a detection, the batch limit), remove every hook
-    before the error leaves nanwatch, so a run that stops carries no hook of ours."""
+    (`close`, by default `watcher.close(check=False)`) before the error leaves nanwatch, so a run that stops carries no
+    hook of ours. A framework that tells adapters nothing when training raises (the HF Trainer) has `errors` catch
+    every error."""
     try:
         action()
-    except NanwatchError:
-        watcher.close(check=False)
+    except errors:
+        if close is None:
+            watcher.close(check=False)
+        else:
+            close()
         raise
 
 
-Runner = Callable[[Callable[[], None]], None]
+def close_after(failure: BaseException | None, close: Callable[[], None], logger: logging.Logger, what: str) -> None:
+    """`close()` after the user's own error, which goes on: never hide it, so an error of ours is only logged."""
+    try:
+        close()
+    except Exception as error:
+        logger.warning(f"nanwatch could not {what} after {failure!r}: {error!r}")
 
 
 def _run(action: Callable[[], None]) -> None:
     action()
 
 
+# -------------------------------------------------------------------------------- the root's hooks
+
+
+def add_phase_hook(watcher: AdapterContract, root: torch.nn.Module, before: PreHook, *, prepend: bool = False) -> None:
+    """A forward pre-hook on the root module (where each top-level forward starts), removed by `watcher.close()`.
+    A graph that compiles the root with its hooks (an `nn.Sequential` given to torch.compile) does not trace it: the
+    hook runs as the graph's records are turned into frames (`Watcher.outside_graph`)."""
+    hook = watcher.outside_graph(root, before, ())
+    watcher.hooks.add_handle(root.register_forward_pre_hook(hook, prepend=prepend))
+
+
+def hook_root(watcher: AdapterContract, root: torch.nn.Module, before: PreHook, *, prepend: bool = False) -> None:
+    """`before` each top-level forward (`add_phase_hook`), and after it the end of an eval forward's batch: nobody
+    ends it otherwise (no step() in a loop's evaluation), so it is checked as soon as the forward returns, on this
+    rank alone (evaluation may run on some ranks only). For adapters that see no batch events, only the forwards."""
+
+    def after(module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        if watcher.phase == "eval" and watcher.recording:
+            stop_on_error(watcher, watcher.end_batch)
+
+    add_phase_hook(watcher, root, before, prepend=prepend)
+    # Registered after the watcher's own hooks (attach() came first): it runs after the root's frame was recorded.
+    watcher.hooks.add_forward(root, watcher.outside_graph(root, after, (), None))
+
+
+def close_when_forward_raises(watcher: AdapterContract, root: torch.nn.Module, close: Callable[[], None]) -> None:
+    """Run `close` when the root's forward raises the user's own error, for frameworks that tell callbacks nothing
+    when training fails (the HF Trainer): the error goes on unchanged, and no hook of ours stays on the model."""
+
+    def after_failed_forward(module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        # With always_call, torch runs this hook inside its `except` when the forward raised: the error is current.
+        failure = sys.exc_info()[1]
+        if failure is not None and not isinstance(failure, NanwatchError):
+            close()
+
+    handle = root.register_forward_hook(after_failed_forward, always_call=True)
+    watcher.hooks.add_handle(handle)
+
+    def keep_last(module: torch.nn.Module, args: tuple[Any, ...]) -> None:
+        # `close` removes hooks from the very dict torch is walking when it calls this one. The walk may end after
+        # such a change only if this hook is its last item: were it not, torch would raise "OrderedDict mutated
+        # during iteration" in place of the user's error. So it is kept last, before every forward.
+        hooks = module._forward_hooks
+        if handle.id in hooks and next(reversed(hooks)) != handle.id:
+            hooks[handle.id] = hooks.pop(handle.id)  # to the end, under the same key
+
+    watcher.hooks.add_handle(root.register_forward_pre_hook(keep_last))
+
+
+# --------------------------------------------------------------------------------------- optimizers
+
+
 def guard_optimizers(
-    watcher: Watcher,
+    watcher: AdapterContract,
     optimizers: Iterable[Any],
     *,
     count_steps: bool = True,
@@ -146,7 +258,32 @@ def guard_optimizers(
             watcher.hooks.add_handle(real.register_step_post_hook(after))
 
 
-def warn_if_steps_unguarded(watcher: Watcher, models: Iterable[torch.nn.Module], fix: str) -> None:
+def guard_steps(watcher: AdapterContract, optimizers: list[Any]) -> None:
+    """`guard_optimizers` that stops cleanly, its steps counted from 0 where the framework counts none."""
+    if optimizers and watcher.optimizer_step is None:
+        watcher.set_counters(optimizer_step=0)
+    guard_optimizers(watcher, optimizers, run=lambda action: stop_on_error(watcher, action))
+
+
+def watch_root(
+    watcher: AdapterContract,
+    root: torch.nn.Module,
+    before: PreHook,
+    *,
+    optimizers: list[Any],
+    models: Iterable[torch.nn.Module],
+    fix: str,
+    prepend: bool = False,
+) -> None:
+    """Attach; hook the root (`hook_root`); guard `optimizers` (`guard_steps`); and say once when another optimizer
+    steps the weights of `models` unguarded, with `fix` (`warn_if_steps_unguarded`)."""
+    watcher.attach()
+    hook_root(watcher, root, before, prepend=prepend)
+    guard_steps(watcher, optimizers)
+    warn_if_steps_unguarded(watcher, models, fix)
+
+
+def warn_if_steps_unguarded(watcher: AdapterContract, models: Iterable[torch.nn.Module], fix: str) -> None:
     """An optimizer that nanwatch does not guard can apply inf/nan to the weights before nanwatch checks, at the end
     of the micro-batch: say so once, with `fix`, as the first step of such an optimizer that updates a parameter of
     `models` is about to run (a global optimizer step pre-hook, removed when the watcher closes). A run that steps no
@@ -189,45 +326,10 @@ def warn_if_steps_unguarded(watcher: Watcher, models: Iterable[torch.nn.Module],
 
 
 # The global step pre-hooks of `warn_if_steps_unguarded`, with their watchers (weakly).
-_STEP_HOOKS: list[tuple[weakref.ref[Watcher], RemovableHandle]] = []
+_STEP_HOOKS: list[tuple[weakref.ref[AdapterContract], RemovableHandle]] = []
 
 
-def add_phase_hook(
-    watcher: Watcher,
-    root: torch.nn.Module,
-    before: Callable[[torch.nn.Module, tuple[Any, ...]], None],
-    *,
-    prepend: bool = False,
-) -> None:
-    """A forward pre-hook on the root module (where each top-level forward starts), removed by `watcher.close()`.
-    A graph that compiles the root with its hooks (an `nn.Sequential` given to torch.compile) does not trace it: the
-    hook runs as the graph's records are turned into frames (`Watcher.outside_graph`)."""
-    hook = watcher.outside_graph(root, before, ())
-    watcher.hooks.add_handle(root.register_forward_pre_hook(hook, prepend=prepend))
-
-
-def close_when_forward_raises(watcher: Watcher, root: torch.nn.Module, close: Callable[[], None]) -> None:
-    """Run `close` when the root's forward raises the user's own error, for frameworks that tell callbacks nothing
-    when training fails (the HF Trainer): the error goes on unchanged, and no hook of ours stays on the model."""
-
-    def after_failed_forward(module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        # With always_call, torch runs this hook inside its `except` when the forward raised: the error is current.
-        failure = sys.exc_info()[1]
-        if failure is not None and not isinstance(failure, NanwatchError):
-            close()
-
-    handle = root.register_forward_hook(after_failed_forward, always_call=True)
-    watcher.hooks.add_handle(handle)
-
-    def keep_last(module: torch.nn.Module, args: tuple[Any, ...]) -> None:
-        # `close` removes hooks from the very dict torch is walking when it calls this one. The walk may end after
-        # such a change only if this hook is its last item: were it not, torch would raise "OrderedDict mutated
-        # during iteration" in place of the user's error. So it is kept last, before every forward.
-        hooks = module._forward_hooks
-        if handle.id in hooks and next(reversed(hooks)) != handle.id:
-            hooks[handle.id] = hooks.pop(handle.id)  # to the end, under the same key
-
-    watcher.hooks.add_handle(root.register_forward_pre_hook(keep_last))
+# ---------------------------------------------------------------------------------- wrapped methods
 
 
 class _WrappedMethod:
@@ -250,7 +352,7 @@ class _WrappedMethod:
 _NOTHING = object()
 
 
-def watch_loss_of(watcher: Watcher, obj: Any, method: str) -> None:
+def watch_loss_of(watcher: AdapterContract, obj: Any, method: str) -> None:
     """Have `obj.method(loss, ...)` (Accelerate's `accelerator.backward`) record its loss first, until the watcher
     closes (a loss the user recorded already is not recorded twice: `Watcher.watch_loss`)."""
     original = getattr(obj, method)
@@ -261,3 +363,29 @@ def watch_loss_of(watcher: Watcher, obj: Any, method: str) -> None:
         return original(loss, *args, **kwargs)
 
     watcher.hooks.add_handle(_WrappedMethod(obj, method, wrapper))
+
+
+# ------------------------------------------------------------------------------- what the user holds
+
+
+class UserHandle:
+    """What the object a user holds (`nanwatch.watch`'s handle, Accelerate's tracker) offers in both."""
+
+    watcher: AdapterContract | None
+
+    def watch_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """Record a loss computed outside the model as a frame of its own (module `(loss)`); returns `loss`:
+        `scaler.scale(handle.watch_loss(loss)).backward()`, `accelerator.backward(tracker.watch_loss(loss))`.
+
+        A non-finite loss is then reported as such. Under a `GradScaler` it matters most: an inf loss makes every
+        gradient inf, which without this looks like an overflow the scaler handles, until the scale hits its floor. A
+        loss the model returns (as transformers models do) is already in the model's own frame.
+        """
+        if self.watcher is not None:
+            self.watcher.watch_loss(loss)
+        return loss
+
+    @property
+    def batch_number(self) -> int:
+        """The current training micro-batch, 0-indexed: how many have ended."""
+        return 0 if self.watcher is None else self.watcher.batch_number

@@ -10,22 +10,14 @@ the prepared dataloader's `iteration`, unless `set_epoch()` says otherwise. More
 
 from __future__ import annotations
 
-from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from nanwatch.adapters._common import (
-    add_phase_hook,
-    check_model,
-    entry_module,
-    guard_optimizers,
-    stop_on_error,
-    warn_if_steps_unguarded,
-    watch_loss_of,
-)
-from nanwatch.core.config import WatchConfig, resolve_config
+from nanwatch.adapters import _common
+from nanwatch.core.config import resolve_config
+from nanwatch.core.contract import AdapterContract
 from nanwatch.core.readouts import Summary, scaler_of
 from nanwatch.core.watcher import Watcher
 
@@ -43,7 +35,7 @@ else:
 __all__ = ["OverflowTracker"]
 
 
-class OverflowTracker(GeneralTracker):  # type: ignore[misc]
+class OverflowTracker(_common.UserHandle, GeneralTracker):  # type: ignore[misc]
     """Watches a model trained with Accelerate for inf/nan; every rank stops together at the first one.
 
     Args:
@@ -60,21 +52,19 @@ class OverflowTracker(GeneralTracker):  # type: ignore[misc]
     # attach() and the hooks run on every process; only log() and finish() are called by Accelerate on the main one.
     main_process_only = False
 
-    def __init__(self, config: WatchConfig | dict[str, Any] | str | Path | None = None, **overrides: Any) -> None:
-        if _IMPORT_ERROR is not None:
-            raise ImportError(
-                'OverflowTracker needs the "accelerate" package; install it with: pip install "nanwatch[accelerate]"'
-            ) from _IMPORT_ERROR
+    def __init__(self, config: _common.ConfigLike = None, **overrides: Any) -> None:
+        message = 'OverflowTracker needs the "accelerate" package; install it with: pip install "nanwatch[accelerate]"'
+        _common.require(_IMPORT_ERROR, message)
         super().__init__()
         self.config = resolve_config(config, **overrides)
-        self.watcher: Watcher | None = None
+        self.watcher: AdapterContract | None = None
         self._accelerator: Accelerator | None = None
         self._batch_open = False
         self._user_epoch: int | None = None
         self._pending_state: dict[str, Any] | None = None
 
     @property
-    def tracker(self) -> Watcher | None:
+    def tracker(self) -> AdapterContract | None:
         """The core `Watcher` (None before `attach()`)."""
         return self.watcher
 
@@ -104,9 +94,16 @@ class OverflowTracker(GeneralTracker):  # type: ignore[misc]
         if self.watcher is not None and self.watcher.attached:
             raise RuntimeError("nanwatch: OverflowTracker is already attached; call detach() first")
         self._accelerator = accelerator
-        root = accelerator.unwrap_model(check_model(model, "OverflowTracker.attach()"), keep_torch_compile=False)
-        watcher = Watcher(root, self.config, rank=accelerator.process_index, world_size=accelerator.num_processes)
-        watcher.entry = entry_module(model, root)
+        root = accelerator.unwrap_model(
+            _common.check_model(model, "OverflowTracker.attach()"), keep_torch_compile=False
+        )
+        watcher: AdapterContract = Watcher(
+            root,
+            self.config,
+            rank=accelerator.process_index,
+            world_size=accelerator.num_processes,
+            entry=_common.entry_module(model, root),
+        )
         if self._pending_state is not None:
             watcher.load_state_dict(self._pending_state)
             self._pending_state = None
@@ -114,28 +111,26 @@ class OverflowTracker(GeneralTracker):  # type: ignore[misc]
             watcher.set_counters(epoch=self._user_epoch)
         # Trackers log on the main process only: the other ranks never read the summary back.
         watcher.summary_sink = self._send_summary if accelerator.is_main_process else None
-        watcher.attach()
-        # First of the root's pre-hooks: the previous micro-batch ends (and may be reported, with its replay copy)
-        # before anything starts recording the new one.
-        add_phase_hook(watcher, root, self._before_root_forward, prepend=True)
-        watcher.hooks.add_forward(root, watcher.outside_graph(root, self._after_root_forward, (), None))
         if optimizers is None:
             optimizers = list(getattr(accelerator, "_optimizers", []))
         elif isinstance(optimizers, torch.optim.Optimizer):
             optimizers = [optimizers]
-        guard_optimizers(watcher, optimizers, run=lambda action: stop_on_error(watcher, action))
-        # An optimizer that steps the model but is not among these (none was prepared, say) is said once.
-        warn_if_steps_unguarded(
+        # First of the root's pre-hooks: the previous micro-batch ends (and may be reported, with its replay copy)
+        # before anything starts recording the new one. An optimizer that steps the model but is not among these
+        # (none was prepared, say) is said once.
+        _common.watch_root(
             watcher,
-            (model, root),
-            "Prepare the optimizer (accelerator.prepare) before tracker.attach(), or pass it: "
+            root,
+            self._before_root_forward,
+            optimizers=optimizers,
+            models=(model, root),
+            fix="Prepare the optimizer (accelerator.prepare) before tracker.attach(), or pass it: "
             "tracker.attach(accelerator, model, optimizers=optimizer).",
+            prepend=True,
         )
         # The loss handed to `accelerator.backward(loss)` (often `F.mse_loss(...)`, outside every module): read in
         # the check before the step.
-        watch_loss_of(watcher, accelerator, "backward")
-        if optimizers and watcher.optimizer_step is None:
-            watcher.set_counters(optimizer_step=0)
+        _common.watch_loss_of(watcher, accelerator, "backward")
         scaler = scaler_of(accelerator)  # None unless fp16 runs on a device Accelerate builds a GradScaler for
         if scaler is not None:
             watcher.watch_scaler(scaler)  # its first reading, at the counters just set
@@ -155,22 +150,6 @@ class OverflowTracker(GeneralTracker):  # type: ignore[misc]
         self, exc_type: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None
     ) -> None:
         self.detach()
-
-    def watch_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """Record a loss computed outside the model as a frame of its own (module `(loss)`); returns `loss`.
-
-        `accelerator.backward(tracker.watch_loss(loss))`. Under a GradScaler an inf loss makes every gradient inf,
-        which would otherwise pass for an overflow the scaler handles until the scale reached its floor. A loss the
-        model returns (as transformers models do) is already in the model's own frame.
-        """
-        if self.watcher is not None:
-            self.watcher.watch_loss(loss)
-        return loss
-
-    @property
-    def batch_number(self) -> int:
-        """The current 0-indexed training micro-batch."""
-        return 0 if self.watcher is None else self.watcher.batch_number
 
     def set_epoch(self, epoch: int) -> None:
         """Say which epoch runs now (replaces the epoch read from the prepared dataloader)."""
@@ -201,23 +180,18 @@ class OverflowTracker(GeneralTracker):  # type: ignore[misc]
         if watcher is None:
             return
         if not module.training:
-            watcher.start_batch("eval")  # the open training micro-batch stays open across evaluation
+            watcher.start_batch("eval")  # one forward, checked as it returns; the training micro-batch stays open
             return
         epoch = self._user_epoch
         if epoch is None and self._accelerator is not None:
             iteration = getattr(self._accelerator.gradient_state.active_dataloader, "iteration", None)
             epoch = iteration if isinstance(iteration, int) else watcher.epoch
-        # start_batch raises when another rank stopped: our hooks go with the error, as with end_batch's.
-        stop_on_error(watcher, lambda: watcher.start_batch("train"))  # back in the open micro-batch's phase
+        watcher.set_phase("train")  # back from any evaluation, in the open micro-batch, which ends now
         if self._batch_open:
-            stop_on_error(watcher, watcher.end_batch)
+            _common.stop_on_error(watcher, watcher.end_batch)
         self._batch_open = True
-        stop_on_error(watcher, lambda: watcher.start_batch("train", epoch=epoch))
-
-    def _after_root_forward(self, module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        watcher = self.watcher
-        if watcher is not None and watcher.phase == "eval" and watcher.recording:
-            stop_on_error(watcher, watcher.end_batch)  # this rank alone: evaluation may run on some ranks only
+        # Raises when another rank stopped: our hooks go with the error, as with end_batch's.
+        _common.stop_on_error(watcher, lambda: watcher.start_batch("train", epoch=epoch))
 
     def _send_summary(self, summary: Summary) -> None:
         # Main process only (no collective here). To the other trackers through `accelerator.log`, at the optimizer

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from nanwatch.adapters._common import add_phase_hook, close_when_forward_raises, guard_optimizers, unwrap_model
-from nanwatch.core.config import WatchConfig, resolve_config
+from nanwatch.adapters import _common
+from nanwatch.core.config import resolve_config
+from nanwatch.core.contract import AdapterContract
 from nanwatch.core.readouts import LOSS_SCALE_HISTORY, LossScaleHistory, Summary, scaler_of
 from nanwatch.core.watcher import Watcher
 
@@ -54,14 +54,11 @@ class OverflowTrainerCallback(TrainerCallback):  # type: ignore[misc,unused-igno
         ConfigError: the config or an override names an unknown field or holds a bad value.
     """
 
-    def __init__(self, config: WatchConfig | dict[str, Any] | str | Path | None = None, **overrides: Any) -> None:
-        if _MISSING_TRANSFORMERS is not None:
-            raise ImportError(
-                "OverflowTrainerCallback needs the transformers package, which is not installed: "
-                'pip install "nanwatch[transformers]"'
-            ) from _MISSING_TRANSFORMERS
+    def __init__(self, config: _common.ConfigLike = None, **overrides: Any) -> None:
+        message = "OverflowTrainerCallback needs the transformers package, which is not installed: pip install "
+        _common.require(_MISSING_TRANSFORMERS, message + '"nanwatch[transformers]"')
         self.config = resolve_config(config, **overrides)
-        self.watcher: Watcher | None = None
+        self.watcher: AdapterContract | None = None
         self._summary: dict[str, float] | None = None  # due, waiting for the Trainer's next log event
         self.loss_scale: LossScaleHistory | None = None
 
@@ -74,10 +71,10 @@ class OverflowTrainerCallback(TrainerCallback):  # type: ignore[misc,unused-igno
                 f"OverflowTrainerCallback expects the Trainer to pass its model, got {type(model).__name__}"
             )
         self.close()  # hooks left by an earlier train() that raised something other than our own error
-        root = unwrap_model(model)
+        root = _common.unwrap_model(model)
         # Rank and world size come from torch.distributed (as args.process_index does): its default group carries
         # the agreement all-reduce.
-        watcher = Watcher(root, self.config)
+        watcher: AdapterContract = Watcher(root, self.config)
         batches = _micro_batches_done(args, state, kwargs.get("train_dataloader"))
         watcher.load_state_dict({"batch_number": batches, "optimizer_step": state.global_step, "epoch": _epoch(state)})
         optimizer = kwargs.get("optimizer")
@@ -86,13 +83,13 @@ class OverflowTrainerCallback(TrainerCallback):  # type: ignore[misc,unused-igno
             # The scale changes only in a step's update(): read it once, after each step (on_optimizer_step).
             watcher.watch_scaler(scaler, read_scale="when_settled")
         watcher.attach()
-        add_phase_hook(watcher, root, self._before_top_forward)
+        _common.add_phase_hook(watcher, root, self._before_top_forward)
         # The Trainer tells callbacks nothing when training raises; an error in the model's forward is seen here.
-        close_when_forward_raises(watcher, root, lambda: self.close(check=True))
+        _common.close_when_forward_raises(watcher, root, lambda: self.close(check=True))
         if optimizer is not None:
             # Checked before each step (under a scaler, inside `scaler.step`, which calls `optimizer.step` only for
             # a step it does not skip); every rank gets here alike.
-            guard_optimizers(watcher, [optimizer], run=self._stopping)
+            _common.guard_optimizers(watcher, [optimizer], run=self._run)
         watcher.summary_sink = self._hold_summary  # on every rank: see on_step_end
         self.watcher = watcher
 
@@ -114,7 +111,7 @@ class OverflowTrainerCallback(TrainerCallback):  # type: ignore[misc,unused-igno
         if watcher is not None:
             # Raises when another rank stopped: our hooks go with the error (a NanwatchError in a forward hook
             # does not close them: see close_when_forward_raises).
-            self._stopping(lambda: watcher.start_batch("train" if module.training else "eval"))
+            self._run(lambda: watcher.start_batch("train" if module.training else "eval"))
 
     def on_optimizer_step(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
@@ -123,7 +120,7 @@ class OverflowTrainerCallback(TrainerCallback):  # type: ignore[misc,unused-igno
         # (and a fall below the floor) is put on the micro-batch whose gradients caused it.
         watcher = self.watcher
         if watcher is not None:
-            self._stopping(lambda: watcher.on_optimizer_step("settled", optimizer_step=state.global_step))
+            self._run(lambda: watcher.on_optimizer_step("settled", optimizer_step=state.global_step))
 
     def on_substep_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
@@ -178,15 +175,12 @@ class OverflowTrainerCallback(TrainerCallback):  # type: ignore[misc,unused-igno
                 watcher.start_batch("train")  # raises when another rank stopped (this rank's frames checked first)
             watcher.end_batch(optimizer_step=state.global_step, epoch=_epoch(state))
 
-        self._stopping(end)
+        self._run(end)
 
-    def _stopping(self, action: Callable[[], None]) -> None:
-        try:
-            action()
-        except BaseException:
-            # The Trainer has no exception event: remove the hooks before our error leaves train().
-            self.close()
-            raise
+    def _run(self, action: Callable[[], None]) -> None:
+        # The Trainer has no exception event: the hooks go before any error of a check leaves train().
+        if self.watcher is not None:
+            _common.stop_on_error(self.watcher, action, close=self.close, errors=BaseException)
 
 
 def _epoch(state: TrainerState) -> int | None:

@@ -9,13 +9,13 @@ optimization or with `watch_gradients`. `abort_after_batch_num` sets `trainer.sh
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
 
-from nanwatch.adapters._common import guard_optimizers, warn_if_steps_unguarded
-from nanwatch.core.config import WatchConfig, resolve_config
+from nanwatch.adapters import _common
+from nanwatch.core.config import resolve_config
+from nanwatch.core.contract import AdapterContract
 from nanwatch.core.hooks import named_unique_modules
 from nanwatch.core.log import get_logger
 from nanwatch.core.readouts import Summary, scaler_of
@@ -47,21 +47,23 @@ class OverflowCallback(Callback):
         ConfigError: the config or an override names an unknown field or holds a bad value.
     """
 
-    def __init__(self, config: WatchConfig | dict[str, Any] | str | Path | None = None, **overrides: Any) -> None:
-        if _LIGHTNING_IMPORT_ERROR is not None:
-            raise ImportError(
-                "nanwatch's OverflowCallback needs the `lightning` package, which could not be imported "
-                f'({_LIGHTNING_IMPORT_ERROR}). Install it with: pip install "nanwatch[lightning]"'
-            ) from _LIGHTNING_IMPORT_ERROR
+    def __init__(self, config: _common.ConfigLike = None, **overrides: Any) -> None:
+        message = "nanwatch's OverflowCallback needs the `lightning` package, which could not be imported "
+        _common.require(
+            _LIGHTNING_IMPORT_ERROR,
+            f'{message}({_LIGHTNING_IMPORT_ERROR}). Install it with: pip install "nanwatch[lightning]"',
+        )
         super().__init__()
         self.config = resolve_config(config, **overrides)
-        self.watcher: Watcher | None = None  # while a fit (or a watched validate/test) runs
+        self.watcher: AdapterContract | None = None  # while a fit (or a watched validate/test) runs
         self._counters: dict[str, Any] | None = None  # kept between fits, restored from checkpoints
 
     def _start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.watcher is not None:
             return
-        watcher = Watcher(pl_module, self.config, rank=trainer.global_rank, world_size=trainer.world_size)
+        watcher: AdapterContract = Watcher(
+            pl_module, self.config, rank=trainer.global_rank, world_size=trainer.world_size
+        )
         if self._counters is not None:
             watcher.load_state_dict(self._counters)
         # The LightningModule itself is left out: under DDP its forward runs as the wrapper's, elsewhere not at all.
@@ -76,9 +78,9 @@ class OverflowCallback(Callback):
             watcher.watch_scaler(scaler)
         # Checked before each step (after Lightning's closure computed the gradients); under a scaler only the steps
         # it does not skip reach the optimizer.
-        guard_optimizers(watcher, trainer.optimizers, count_steps=False)
+        _common.guard_optimizers(watcher, trainer.optimizers, count_steps=False)
         # Manual optimization may step an optimizer of its own, which Lightning does not know: said once.
-        warn_if_steps_unguarded(
+        _common.warn_if_steps_unguarded(
             watcher,
             (pl_module,),
             "Return the optimizer from configure_optimizers(): nanwatch then checks before each of its steps.",
@@ -98,9 +100,7 @@ class OverflowCallback(Callback):
         if self.config.watch_eval:  # a stand-alone `trainer.validate()`; under `fit()` the watcher already runs
             self._start(trainer, pl_module)
 
-    def on_test_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if self.config.watch_eval:
-            self._start(trainer, pl_module)
+    on_test_start = on_validation_start
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self._stop()
@@ -108,10 +108,8 @@ class OverflowCallback(Callback):
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         # Lightning re-raises `exception` after this hook; nothing here may replace or hide it. The user's own error
         # may come from an inf/nan we saw: check what is pending (no collective) and publish it.
-        try:
-            self._stop(check=not isinstance(exception, NonFiniteError))
-        except Exception as error:
-            get_logger().warning(f"nanwatch could not check the last batch after {exception!r}: {error!r}")
+        check = not isinstance(exception, NonFiniteError)
+        _common.close_after(exception, lambda: self._stop(check=check), get_logger(), "check the last batch")
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         if self.watcher is not None:

@@ -3,43 +3,33 @@
 The loop calls `handle.step()` after each micro-batch; that is the batch counter. Passing the optimizer lets nanwatch
 check before every optimizer step, so a step that would apply inf/nan never runs. Under a `GradScaler` (`scaler=`),
 the scale of a micro-batch's step is read as the next micro-batch starts: `step()` may come before or after
-`scaler.step()`.
-
-One watcher per model: when nanwatch raises (a detection, the batch limit, the loss scale's floor) the handle removes
-its hooks first, as the other adapters do (`step()` goes on counting, recording nothing), and a new `watch()` on a
-model that an earlier handle still watches closes that handle, with a warning, before it attaches its own hooks.
+`scaler.step()`. When nanwatch raises, the handle removes its hooks first (`step()` goes on counting, recording
+nothing); one watcher per model (`_take_over`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import weakref
-from pathlib import Path
 from types import TracebackType
 from typing import Any
 
 import torch
 
-from nanwatch.adapters._common import (
-    add_phase_hook,
-    check_model,
-    check_optimizer,
-    entry_module,
-    guard_optimizers,
-    stop_on_error,
-    unwrap_model,
-    warn_if_steps_unguarded,
-)
+from nanwatch.adapters import _common
 from nanwatch.core.config import WatchConfig, resolve_config
+from nanwatch.core.contract import AdapterContract
 from nanwatch.core.log import warn
 from nanwatch.core.readouts import GradScalerLike
 from nanwatch.core.watcher import Watcher
-from nanwatch.errors import ConfigError, LossScaleBelowFloor
+from nanwatch.errors import LossScaleBelowFloor
+
+unwrap_model = _common.unwrap_model
 
 __all__ = ["watch", "WatchHandle", "unwrap_model"]
 
 
-class WatchHandle:
+class WatchHandle(_common.UserHandle):
     """What `watch()` returns: call `step()` after each micro-batch; use it as a context manager or `close()` it."""
 
     def __init__(
@@ -50,31 +40,26 @@ class WatchHandle:
         optimizer: torch.optim.Optimizer | None = None,
         scaler: GradScalerLike | None = None,
     ) -> None:
-        watched = unwrap_model(check_model(model, "watch()"))
+        watched = _common.unwrap_model(_common.check_model(model, "watch()"))
         if optimizer is not None:
-            check_optimizer(optimizer, "watch()")
-        self.watcher = Watcher(watched, config)  # holds the model while watching, and lets it go at close()
-        self.watcher.entry = entry_module(model, watched)
+            _common.check_optimizer(optimizer, "watch()")
+        # Holds the model while watching, and lets it go at close().
+        self.watcher: AdapterContract = Watcher(watched, config, entry=_common.entry_module(model, watched))
         if scaler is not None:  # before attach: a bad scaler raises with no hook left behind
             self.watcher.watch_scaler(scaler, read_scale="when_settled")
         self._closed = False
         self._scale_unread = False  # a micro-batch ended; the scaler's verdict on its step is not read yet
         try:
             _take_over(watched)
-            self.watcher.attach()
-            # Registered after the watcher's own hooks, so on the root they run after its frame was recorded.
-            add_phase_hook(self.watcher, watched, self._before_top_forward)
-            self.watcher.hooks.add_forward(
-                watched, self.watcher.outside_graph(watched, self._after_top_forward, (), None)
-            )
-            if optimizer is not None:
-                self.guard(optimizer)
             # Any other optimizer that steps the model's weights (or this one, when none was passed) is said once.
-            warn_if_steps_unguarded(
+            fix = "Pass the optimizer to check before each of its steps: nanwatch.watch(model, optimizer=optimizer)"
+            _common.watch_root(
                 self.watcher,
-                (model, watched),
-                "Pass the optimizer to check before each of its steps: nanwatch.watch(model, optimizer=optimizer), "
-                "or handle.guard(optimizer).",
+                watched,
+                self._before_top_forward,
+                optimizers=[] if optimizer is None else [optimizer],
+                models=(model, watched),
+                fix=f"{fix}, or handle.guard(optimizer).",
             )
         except BaseException:
             self.watcher.close(check=False)  # a watch() that failed leaves nothing attached
@@ -90,11 +75,6 @@ class WatchHandle:
     @property
     def config(self) -> WatchConfig:
         return self.watcher.config
-
-    @property
-    def batch_number(self) -> int:
-        """0-indexed count of training micro-batches ended by `step()`."""
-        return self.watcher.batch_number
 
     @property
     def optimizer_step(self) -> int | None:
@@ -118,19 +98,12 @@ class WatchHandle:
                 self._settle_scale()
             self.watcher.start_batch("train" if training else "eval")
 
-        stop_on_error(self.watcher, start)
-
-    def _after_top_forward(self, module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        # An eval forward is one eval batch; nobody calls step() for it, so it is checked as soon as it returns.
-        if self.watcher.phase == "eval" and self.watcher.recording:
-            stop_on_error(self.watcher, self.watcher.end_batch)
+        _common.stop_on_error(self.watcher, start)
 
     def guard(self, optimizer: torch.optim.Optimizer) -> None:
         """Check (and agree across ranks) before each `optimizer.step()`; raise there so the step never runs."""
-        check_optimizer(optimizer, "guard()")
-        if self.watcher.optimizer_step is None:
-            self.watcher.set_counters(optimizer_step=0)
-        guard_optimizers(self.watcher, [optimizer], run=lambda action: stop_on_error(self.watcher, action))
+        _common.check_optimizer(optimizer, "guard()")
+        _common.guard_steps(self.watcher, [optimizer])
 
     def step(self) -> None:
         """End the current training micro-batch: check it, then advance `batch_number`.
@@ -147,7 +120,7 @@ class WatchHandle:
             # If the optimizer guard already agreed during this micro-batch, end_batch() runs no second collective.
             self.watcher.end_batch()
 
-        stop_on_error(self.watcher, end)
+        _common.stop_on_error(self.watcher, end)
         self._scale_unread = True
 
     def _settle_scale(self) -> None:
@@ -156,25 +129,13 @@ class WatchHandle:
             self._scale_unread = False
             self.watcher.on_optimizer_step("settled")
 
-    def watch_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """Record the loss (computed outside the model) as a frame of its own, module `(loss)`; returns `loss`.
-
-        A non-finite loss is then reported as such. Under a `GradScaler` it matters most: an inf loss makes every
-        gradient inf, which without this looks like an overflow the scaler handles, until the scale hits its floor.
-        `scaler.scale(handle.watch_loss(loss)).backward()`.
-        """
-        self.watcher.watch_loss(loss)
-        return loss
-
     def check(self) -> None:
         """Check now (one host sync, and a collective when distributed) rather than waiting for `step()`."""
-        stop_on_error(self.watcher, lambda: self.watcher.agreement_point(hold=False))
+        _common.stop_on_error(self.watcher, lambda: self.watcher.agreement_point(hold=False))
 
     def summary(self) -> dict[str, float]:
-        """The abs max of every watched module in the last training batch checked clean, also logged to "nanwatch".
-
-        Reads the numbers back from the device (one transfer); `summary_every_n_batches` logs the same every N
-        batches from `step()` without being asked.
+        """The abs max of every watched module in the last training batch checked clean, also logged to "nanwatch"
+        (one transfer from the device; `summary_every_n_batches` logs the same every N batches unasked).
 
         Returns:
             `{"nanwatch/absmax/<module>": value, ..., "nanwatch/absmax_global": value, "nanwatch/batch_number": n}`
@@ -203,12 +164,8 @@ class WatchHandle:
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None
     ) -> None:
-        if exc_type is not None:
-            # Never hide the user's exception: log what we saw, remove the hooks, and let it propagate.
-            try:
-                self.close()
-            except Exception as error:  # ours would replace theirs: it is only logged
-                self.watcher.logger.warning(f"nanwatch could not close cleanly after {exc!r}: {error!r}")
+        if exc_type is not None:  # log what we saw, remove the hooks, and let the user's exception propagate
+            _common.close_after(exc, self.close, self.watcher.logger, "close cleanly")
             return
         if self._closed:
             return
@@ -223,7 +180,6 @@ _LIVE: weakref.WeakSet[WatchHandle] = weakref.WeakSet()
 
 def _take_over(model: torch.nn.Module) -> None:
     """One watcher per model: close every live handle that still has hooks on a module of `model`, with a warning.
-
     Two handles on one model would both record every call and both count batches; a nan in the new run would be
     raised by the old handle with its own batch number."""
     if not _LIVE:
@@ -232,18 +188,17 @@ def _take_over(model: torch.nn.Module) -> None:
     for old in list(_LIVE):
         if old._closed or not old.watcher.attached or ours.isdisjoint(map(id, old.model.modules())):
             continue
-        message = (
+        warn(
             f"nanwatch: watch() on a model that an earlier watch() handle still watches (at its "
             f"batch_number={old.batch_number}): that handle is closed now, and the new one takes over. Close a "
             "handle when its run ends: handle.close(), or `with nanwatch.watch(...) as handle:`"
         )
-        warn(message)
         old.close()
 
 
 def watch(
     model: torch.nn.Module,
-    config: WatchConfig | dict[str, Any] | str | Path | None = None,
+    config: _common.ConfigLike = None,
     *,
     optimizer: torch.optim.Optimizer | None = None,
     scaler: GradScalerLike | None = None,
@@ -268,20 +223,5 @@ def watch(
         ConfigError: the config or an override names an unknown field or holds a bad value.
         TypeError: `scaler` is not a GradScaler.
     """
-    _refuse_misplaced(config)
+    _common.check_config(config, "watch()")
     return WatchHandle(model, resolve_config(config, **overrides), optimizer=optimizer, scaler=scaler)
-
-
-def _refuse_misplaced(config: object) -> None:
-    """An optimizer or a GradScaler passed where the config goes (`watch(model, optimizer)`): say which keyword."""
-    if isinstance(getattr(config, "optimizer", config), torch.optim.Optimizer):
-        keyword = "optimizer"
-    elif callable(getattr(config, "get_scale", None)) and callable(getattr(config, "unscale_", None)):
-        keyword = "scaler"
-    else:
-        return
-    raise ConfigError(
-        f"watch(): the second argument is the config (a WatchConfig, a dict, or the path of a YAML/JSON file), got "
-        f"{type(config).__name__}, {'an' if keyword == 'optimizer' else 'a'} {keyword}: pass it by keyword, "
-        f"nanwatch.watch(model, {keyword}={keyword})"
-    )
