@@ -13,18 +13,15 @@ engine (core/watcher.py) implements it. A micro-batch, as an adapter tells it:
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
 
-from nanwatch.core.events import KEEP, Kept, OptimizerStage, Phase
+from nanwatch.core.events import KEEP, EngineState, Kept, OptimizerStage, Phase
 
 if TYPE_CHECKING:
     import torch
 
-    from nanwatch.core.config import WatchConfig
     from nanwatch.core.frames import Frame
-    from nanwatch.core.hooks import HookSet
     from nanwatch.core.readouts import GradScalerLike, Readout, Summary
     from nanwatch.core.report import Report
 
@@ -33,26 +30,10 @@ __all__ = ["KEEP", "AdapterContract"]
 _T = TypeVar("_T")
 
 
-class AdapterContract(Protocol):
-    """The engine as an adapter sees it."""
+class AdapterContract(EngineState, Protocol):
+    """The engine as an adapter sees it: what `EngineState` offers to read, and the members below."""
 
     # ----------------------------------------------------------------------------------------- set-up, close
-
-    @property
-    def config(self) -> WatchConfig:
-        """The run's config (read-only)."""
-
-    @property
-    def logger(self) -> logging.Logger:
-        """The "nanwatch" logger, for an adapter's own notes."""
-
-    @property
-    def model(self) -> torch.nn.Module:
-        """The watched model (held weakly once closed)."""
-
-    @property
-    def hooks(self) -> HookSet:
-        """Where an adapter adds its own hook handles, so that `close()` removes them with the engine's."""
 
     @property
     def attached(self) -> bool:
@@ -142,24 +123,7 @@ class AdapterContract(Protocol):
     # ------------------------------------------------------------------------------------- counters, state
 
     @property
-    def phase(self) -> Phase: ...
-    @property
-    def batch_number(self) -> int:
-        """The current (or next) training micro-batch."""
-
-    @property
     def eval_batch_number(self) -> int: ...
-    @property
-    def optimizer_step(self) -> int | None: ...
-    @property
-    def epoch(self) -> int | None: ...
-    @property
-    def recording(self) -> bool:
-        """Whether the current micro-batch is recorded (watched, and watching not disabled)."""
-
-    @property
-    def disabled_reason(self) -> str | None:
-        """Why watching stopped after a failure of nanwatch's own, or None."""
 
     def set_counters(self, *, optimizer_step: Kept = KEEP, epoch: Kept = KEEP) -> None:
         """The framework's counters as they are now."""

@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from nanwatch.core.report import Report, ReportSection
     from nanwatch.core.stats.measure import Measurement
 
-__all__ = ["KEEP", "EngineContext", "Feature", "Kept", "OptimizerStage", "Phase"]
+__all__ = ["KEEP", "EngineContext", "EngineState", "Feature", "Kept", "OptimizerStage", "Phase"]
 
 Phase = Literal["train", "eval"]
 # "guarded": an adapter will report "before" for each step of this optimizer; "before": the optimizer is about to
@@ -56,31 +56,57 @@ KEEP = _Keep.KEEP  # a counter argument left as it is
 Kept: TypeAlias = "int | None | _Keep"  # a counter's new value, or KEEP
 
 
-class EngineContext(Protocol):
-    """What a feature may read and do. The engine hands one to every event."""
+class EngineState(Protocol):
+    """What both a feature (`EngineContext`) and an adapter (`core/contract.py`) may read of the engine."""
 
     @property
-    def model(self) -> torch.nn.Module: ...
+    def model(self) -> torch.nn.Module:
+        """The watched model (inside a DDP or torch.compile wrapper)."""
+
+    @property
+    def config(self) -> WatchConfig:
+        """The run's config (read-only)."""
+
+    @property
+    def logger(self) -> logging.Logger:
+        """The "nanwatch" logger."""
+
+    @property
+    def hooks(self) -> HookSet:
+        """Where hook handles go, so that closing the engine removes them with its own."""
+
+    @property
+    def phase(self) -> Phase: ...
+    @property
+    def batch_number(self) -> int:
+        """The current (or next) training micro-batch."""
+
+    @property
+    def optimizer_step(self) -> int | None:
+        """The optimizer steps done: the framework's own count where it keeps one."""
+
+    @property
+    def epoch(self) -> int | None: ...
+    @property
+    def recording(self) -> bool:
+        """False in an unwatched batch, a phase not watched, or once watching was disabled."""
+
+    @property
+    def disabled_reason(self) -> str | None:
+        """Why watching stopped after a failure of nanwatch's own, or None while it works."""
+
+
+class EngineContext(EngineState, Protocol):
+    """What a feature may read and do. The engine hands one to every event."""
+
     @property
     def entry(self) -> torch.nn.Module:
         """The module the user calls: `model`, or a wrapper of it (DDP, torch.compile)."""
 
     @property
-    def config(self) -> WatchConfig: ...
-    @property
     def rank(self) -> int: ...
     @property
     def world_size(self) -> int: ...
-    @property
-    def logger(self) -> logging.Logger: ...
-    @property
-    def hooks(self) -> HookSet: ...
-    @property
-    def phase(self) -> Phase: ...
-    @property
-    def batch_number(self) -> int:
-        """The current training micro-batch."""
-
     @property
     def current_batch(self) -> int:
         """The current micro-batch of the current phase."""
@@ -95,19 +121,9 @@ class EngineContext(Protocol):
         feature's own flags tripped alone)."""
 
     @property
-    def optimizer_step(self) -> int | None: ...
-    @property
-    def epoch(self) -> int | None: ...
-    @property
-    def recording(self) -> bool:
-        """False in an unwatched batch, a phase not watched, or once watching was disabled."""
-
-    @property
     def tracing(self) -> bool:
         """True while the current batch is traced."""
 
-    @property
-    def disabled_reason(self) -> str | None: ...
     @property
     def summary_sink(self) -> Callable[[Summary], None] | None:
         """Where a due summary goes: the logger by default, an adapter's framework logger, or nowhere (None)."""

@@ -31,6 +31,7 @@ from nanwatch.core.compiler import (
 from nanwatch.core.config import WatchConfig
 from nanwatch.core.contract import AdapterContract
 from nanwatch.core.engine.assembly import assemble
+from nanwatch.core.engine.context import Fixed
 from nanwatch.core.engine.counters import PHASES
 from nanwatch.core.engine.holding import Held
 from nanwatch.core.engine.notices import nothing_recorded
@@ -109,7 +110,8 @@ class Watcher:
         self._last_loss: weakref.ref[torch.Tensor] | None = None
         self._replaying = False  # a watch of its own over a replay (`_rerun`)
         self._hooks = HookSet()
-        parts = assemble(self, config, features_for(config), on_raise=self._micro_batch_raised)
+        fixed = Fixed(config, self.rank, self.world_size, self.logger, self._hooks)
+        parts = assemble(self, fixed, features_for(config), on_raise=self._micro_batch_raised)
         self._schedule, self._cache, self._counters, self._features = parts[:4]
         self._recorder, self._checker, self._publisher, self._arbiter = parts[4:]
         self._update_recording()

@@ -5,10 +5,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import NamedTuple
 
-from nanwatch.core.config import WatchConfig
 from nanwatch.core.engine.arbiter import Arbiter
 from nanwatch.core.engine.checker import Checker
-from nanwatch.core.engine.context import EngineView, Facade
+from nanwatch.core.engine.context import EngineView, Facade, Fixed
 from nanwatch.core.engine.counters import Counters
 from nanwatch.core.engine.plugins import FeatureSet
 from nanwatch.core.engine.publisher import Publisher
@@ -32,14 +31,15 @@ class Parts(NamedTuple):
     arbiter: Arbiter
 
 
-def assemble(facade: Facade, config: WatchConfig, features: list[Feature], *, on_raise: Callable[[], None]) -> Parts:
+def assemble(facade: Facade, fixed: Fixed, features: list[Feature], *, on_raise: Callable[[], None]) -> Parts:
     """The parts of `facade`'s engine, each given what it needs of the others; the features get their context.
 
     Args:
         features: from `features_for(config)` (the facade's choice: the engine knows no concrete feature).
         on_raise: called as a detection is raised (the micro-batch ends there).
     """
-    rank, world_size, logger, disable = facade.rank, facade.world_size, facade.logger, facade.disable
+    config, rank, world_size, logger, _ = fixed
+    disable = facade.disable
     schedule = BatchSchedule(config)
     cache = StatsCache(extra_kernels(config))
     counters = Counters(logger)
@@ -58,5 +58,5 @@ def assemble(facade: Facade, config: WatchConfig, features: list[Feature], *, on
     publisher = Publisher(config, logger, schedule, plugins, disable)
     board = DetectionBoard.for_this_run(rank, world_size, config.rank_wait_s)
     arbiter = Arbiter(board, publisher, counters, logger, rank=rank, world_size=world_size, on_raise=on_raise)
-    plugins.ctx = EngineView(facade, counters, recorder, checker, publisher, plugins, cache, schedule)
+    plugins.ctx = EngineView(facade, fixed, counters, recorder, checker, publisher, plugins, cache, schedule)
     return Parts(schedule, cache, counters, plugins, recorder, checker, publisher, arbiter)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, NamedTuple, Protocol
 
 import torch
 
@@ -22,28 +22,26 @@ from nanwatch.core.report import Report, ReportSection
 from nanwatch.core.scope import BatchSchedule, rank_in
 from nanwatch.core.stats.measure import Measurement, StatsCache
 
-__all__ = ["EngineView", "Facade"]
+__all__ = ["EngineView", "Facade", "Fixed"]
 
-Rerun = Callable[..., "Report | None"]
+
+class Fixed(NamedTuple):
+    """What stays the same for the whole run."""
+
+    config: WatchConfig
+    rank: int
+    world_size: int
+    logger: logging.Logger
+    hooks: HookSet
 
 
 class Facade(Protocol):
-    """What the view reads of the facade itself (core/watcher.py) rather than of a part."""
+    """What the view reads of the facade itself (core/watcher.py) rather than of a part: what changes as it runs."""
 
     @property
     def model(self) -> torch.nn.Module: ...
     @property
     def entry(self) -> torch.nn.Module: ...
-    @property
-    def config(self) -> WatchConfig: ...
-    @property
-    def rank(self) -> int: ...
-    @property
-    def world_size(self) -> int: ...
-    @property
-    def logger(self) -> logging.Logger: ...
-    @property
-    def hooks(self) -> HookSet: ...
     @property
     def guarded(self) -> bool: ...
     @property
@@ -60,6 +58,7 @@ class EngineView:
     def __init__(
         self,
         facade: Facade,
+        fixed: Fixed,
         counters: Counters,
         recorder: Recorder,
         checker: Checker,
@@ -69,6 +68,7 @@ class EngineView:
         schedule: BatchSchedule,
     ) -> None:
         self._facade = facade
+        self.config, self.rank, self.world_size, self.logger, self.hooks = fixed
         self._counters = counters
         self._recorder = recorder
         self._checker = checker
@@ -80,11 +80,6 @@ class EngineView:
     # What the facade holds.
     model = property(lambda self: self._facade.model)
     entry = property(lambda self: self._facade.entry)
-    config = property(lambda self: self._facade.config)
-    rank = property(lambda self: self._facade.rank)
-    world_size = property(lambda self: self._facade.world_size)
-    logger = property(lambda self: self._facade.logger)
-    hooks = property(lambda self: self._facade.hooks)
     guarded = property(lambda self: self._facade.guarded)
     disabled_reason = property(lambda self: self._facade.disabled_reason)
     summary_sink = property(lambda self: self._facade.summary_sink)
@@ -99,7 +94,7 @@ class EngineView:
     frames_finite = property(lambda self: self._checker.frames_finite)
 
     def rank_logs(self, ranks: Literal["zero", "all"] | list[int]) -> bool:
-        return rank_in(self._facade.rank, ranks)
+        return rank_in(self.rank, ranks)
 
     def watches_batch(self, batch_number: int) -> bool:
         return self._schedule.watched(batch_number)
