@@ -168,7 +168,7 @@ class Recorder:
         entries = known.lines(params, cache) if params else []
         activation = cache.activation
         for index, value in enumerate(args):
-            label = _INPUT_LABELS[index] if index < len(_INPUT_LABELS) else f"input[{index}]"
+            label = _INPUT_LABELS[index] if index < 16 else f"input[{index}]"
             if isinstance(value, torch.Tensor):
                 entries.append(Entry(label, _INPUT, activation(value)))
             else:
@@ -179,7 +179,10 @@ class Recorder:
             entries.append(Entry("output", _OUTPUT, activation(output)))
         else:
             self._add_leaves(entries, output, "output", _OUTPUT)
-        self.append(self.frame(name, class_name, entries, direction), module, args, output)
+        counters = self._counters
+        phase = counters.phase
+        batch = counters.batch_number if phase == "train" else counters.eval_batch_number
+        self.append(Frame(name, class_name, batch, phase, entries, direction), module, args, output)
 
     def _add_keyword_inputs(self, entries: list[Entry], kwargs: dict[str, Any]) -> None:
         """Keyword inputs, labelled `input.<name>`: their tensors only (None, flags and sizes get no line, so a
@@ -320,29 +323,22 @@ class _ParameterLines:
 
     def lines(self, params: Mapping[str, torch.Tensor | None], cache: StatsCache) -> list[Entry]:
         slots = self.slots
-        if slots is not None:
+        if slots is not None and len(params) == len(slots):
             batch = cache.tracked_batch()
-            if batch is not None and self._unchanged(params, slots, batch):
+            if batch is not None:
+                # Unchanged since measured: the same objects, with the version counters and storage they had then.
+                versions, pointers = batch.versions, batch.pointers
+                for param, (known, index) in zip(params.values(), slots):  # noqa: B905  (lengths compared)
+                    if param is not known or (
+                        param is not None and (param._version != versions[index] or param.data_ptr() != pointers[index])
+                    ):
+                        return self._make(params, cache)
                 if self.batch is not batch:  # the module's first call of this batch
                     measurements = batch.measurements
                     self.entries = [Entry(name, _PARAMETER, measurements[index]) for name, index in self.named]
                     self.batch = batch
                 return self.entries.copy()
         return self._make(params, cache)
-
-    @staticmethod
-    def _unchanged(
-        params: Mapping[str, torch.Tensor | None], slots: list[tuple[torch.Tensor | None, int]], batch: TrackedBatch
-    ) -> bool:
-        if len(params) != len(slots):
-            return False
-        versions, pointers = batch.versions, batch.pointers
-        for param, (known, index) in zip(params.values(), slots, strict=True):
-            if param is not known:
-                return False
-            if param is not None and (param._version != versions[index] or param.data_ptr() != pointers[index]):
-                return False
-        return True
 
     def _make(self, params: Mapping[str, torch.Tensor | None], cache: StatsCache) -> list[Entry]:
         entries: list[Entry] = []
