@@ -29,6 +29,7 @@ that position (for the others: the median). Ratios are costs over the cost of `n
     python benchmarks/overhead.py --rounds 60 --output /tmp/overhead.json
     python benchmarks/overhead.py --dispatch --no-sentinel   # 1,000 tiny layers: the hooks' cost per call (issue 13)
     python benchmarks/overhead.py --compile --no-hf           # compiled + watched vs compiled alone (issue 13)
+    python benchmarks/overhead.py --model dispatch-sgd --modes train --no-hf --no-sentinel  # batch 2, SGD (issue 21)
 
 Needs `transformers` (the `transformers` extra). A benchmark, not a test: it asserts nothing about speed, it
 reports; the targets of the design are printed next to the figures. Run it on a quiet machine: other processes
