@@ -29,6 +29,7 @@ that position (for the others: the median). Ratios are costs over the cost of `n
     python benchmarks/overhead.py --rounds 60 --output /tmp/overhead.json
     python benchmarks/overhead.py --dispatch --no-sentinel   # 1,000 tiny layers: the hooks' cost per call (issue 13)
     python benchmarks/overhead.py --compile --no-hf           # compiled + watched vs compiled alone (issue 13)
+    python benchmarks/overhead.py --model dispatch-sgd --modes train --no-hf --no-sentinel  # batch 2, SGD (issue 21)
 
 Needs `transformers` (the `transformers` extra). A benchmark, not a test: it asserts nothing about speed, it
 reports; the targets of the design are printed next to the figures. Run it on a quiet machine: other processes
@@ -118,7 +119,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--model",
         choices=sorted(WORKLOADS),
         default="gpt2",
-        help="gpt2: the GPT-2 above (default); convnet: a small conv net with BatchNorm and a functional loss",
+        help="gpt2: the GPT-2 above (default); convnet: a small conv net with BatchNorm and a functional loss; "
+        "dispatch: see --dispatch; dispatch-sgd: the same pairs, batch 2, plain SGD (issue 21's hot-path workload)",
     )
     parser.add_argument(
         "--dispatch",
@@ -174,6 +176,25 @@ class Workload:
 
     def optimizer(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.model.parameters(), lr=1e-5)
+
+    def module_calls(self) -> int:
+        """How many module calls one forward makes (an inference forward, counted by hooks taken off after): what
+        the added time per step is divided by to give the hooks' cost per module call."""
+        calls = 0
+
+        def count(*_: Any) -> None:
+            nonlocal calls
+            calls += 1
+
+        handles = [module.register_forward_pre_hook(count) for module in self.model.modules()]
+        try:
+            self.model.eval()
+            with torch.no_grad():
+                self.infer()
+        finally:
+            for handle in handles:
+                handle.remove()
+        return calls
 
 
 class GPT2Workload(Workload):
@@ -232,6 +253,8 @@ class DispatchWorkload(Workload):
     GPU, where kernels run asynchronously and the CPU must stay ahead. AdamW with `foreach=True` (a GPU's default):
     one multi-tensor call per update, not a Python loop over 2,000 parameters that would hide the hooks' cost."""
 
+    batch, optimizer_name = 8, "AdamW(foreach)"
+
     def __init__(self, args: argparse.Namespace, device: torch.device) -> None:
         from torch import nn
 
@@ -240,9 +263,10 @@ class DispatchWorkload(Workload):
         for _ in range(1000):
             layers += [nn.Linear(4, 4), nn.Tanh()]
         model = nn.Sequential(*layers).to(device)
-        self.inputs = torch.randn(8, 4, generator=torch.Generator().manual_seed(args.seed)).to(device)
+        self.inputs = torch.randn(self.batch, 4, generator=torch.Generator().manual_seed(args.seed)).to(device)
         super().__init__(
-            "dispatch-bound: 1,000 x (Linear(4, 4), Tanh), 2,001 module calls per forward; batch 8; AdamW(foreach)",
+            f"dispatch-bound: 1,000 x (Linear(4, 4), Tanh), 2,001 module calls per forward; batch {self.batch}; "
+            + self.optimizer_name,
             model,
         )
 
@@ -256,14 +280,27 @@ class DispatchWorkload(Workload):
         return torch.optim.AdamW(self.model.parameters(), lr=1e-5, foreach=True)
 
 
+class DispatchSGDWorkload(DispatchWorkload):
+    """`--model dispatch-sgd` (issue 21): the same 1,000 pairs, batch 2, plain SGD (`foreach=True`). The lightest
+    training step there is, so the hooks' cost per module call shows undiluted: what a GPU user would see."""
+
+    batch, optimizer_name = 2, "SGD(foreach)"
+
+    def optimizer(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.model.parameters(), lr=1e-5, foreach=True)
+
+
 WORKLOADS: dict[str, Callable[[argparse.Namespace, torch.device], Workload]] = {
     "gpt2": GPT2Workload,
     "convnet": ConvNetWorkload,
     "dispatch": DispatchWorkload,
+    "dispatch-sgd": DispatchSGDWorkload,
 }
 # Targets of issue 13 for its own runs: watch/none of a dispatch-bound training step, and of a compiled one over the
 # same model compiled alone.
 DISPATCH_TARGET, COMPILED_TARGET = 1.5, 1.2
+# Issue 21's for `--model dispatch-sgd` training: watch/none, and the time watching adds per module call.
+DISPATCH_SGD_TARGET, PER_CALL_TARGET_US = 1.3, 10.0
 
 
 def build_model(vocab: int, seq: int, seed: int) -> torch.nn.Module:
@@ -369,7 +406,7 @@ class Variant:
     def nanwatch_held_bytes(self) -> int:
         if not isinstance(self.handle, nanwatch.WatchHandle):
             return 0
-        sentinel = self.handle.watcher._find(SentinelFeature)
+        sentinel = self.handle.watcher.feature(SentinelFeature)
         return 0 if sentinel is None else sentinel.held_bytes()
 
     def problems(self) -> list[str]:
@@ -390,6 +427,13 @@ class Variant:
         by_position: dict[int, list[float]] = {}
         for index, seconds in self.times[mode]:
             by_position.setdefault(index % self.period, []).append(seconds)
+        return statistics.fmean(statistics.median(values) for values in by_position.values())
+
+    def paired_added(self, mode: str, none: Variant) -> float:
+        """Seconds added per step: the mean over the positions of the period of the median per-round difference."""
+        by_position: dict[int, list[float]] = {}
+        for (index, seconds), (_, baseline) in zip(self.times[mode], none.times[mode], strict=True):
+            by_position.setdefault(index % self.period, []).append(seconds - baseline)
         return statistics.fmean(statistics.median(values) for values in by_position.values())
 
     def paired_ratio(self, mode: str, none: Variant) -> float:
@@ -507,7 +551,9 @@ class ForeignLoad:
         return max(0.0, foreign) / max(wall - self._start[2], 1e-9)
 
 
-def run_mode(bench: Bench, variants: list[Variant], mode: str, rounds: int, warmup: int) -> dict[str, Any]:
+def run_mode(
+    bench: Bench, variants: list[Variant], mode: str, rounds: int, warmup: int, module_calls: int
+) -> dict[str, Any]:
     for variant in variants:
         for _ in range(warmup):
             bench.step(variant, mode)
@@ -519,7 +565,12 @@ def run_mode(bench: Bench, variants: list[Variant], mode: str, rounds: int, warm
             variant.times[mode].append((index, bench.step(variant, mode)))
     none = variants[0].cost(mode)
     hf = next((v.cost(mode) for v in variants if v.name == "hf"), math.nan)
-    results: dict[str, Any] = {"rounds": rounds, "foreign_load_cores": load.cores(), "variants": {}}
+    results: dict[str, Any] = {
+        "rounds": rounds,
+        "foreign_load_cores": load.cores(),
+        "module_calls_per_forward": module_calls,
+        "variants": {},
+    }
     for variant in variants:
         cost = variant.cost(mode)
         entry: dict[str, Any] = {
@@ -527,6 +578,8 @@ def run_mode(bench: Bench, variants: list[Variant], mode: str, rounds: int, warm
             "ratio_to_none": cost / none,
             "paired_ratio_to_none": variant.paired_ratio(mode, variants[0]),
             "added_ms": (cost - none) * 1e3,
+            # the added time per module call of the forward, from the paired (per-round) differences
+            "added_us_per_module_call": variant.paired_added(mode, variants[0]) / module_calls * 1e6,
         }
         if variant.name not in ("none", "hf") and hf > none:
             entry["added_over_added_hf"] = (cost - none) / (hf - none)
@@ -569,6 +622,13 @@ def print_mode(mode: str, results: dict[str, Any], variants: list[Variant], show
             f"added(watch)/added(hf) <= {TARGETS['added_vs_hf']:.2f}: "
             f"{'met' if verdict else 'NOT met'}"
         )
+    calls = results["module_calls_per_forward"]
+    added = ", ".join(
+        f"{variant.name} {rows[variant.name]['added_us_per_module_call']:.1f}"
+        for variant in variants
+        if variant.name != "none"
+    )
+    print(f"added per module call (paired, {calls} module calls per forward), us: {added}")
     busy = results["foreign_load_cores"]
     note = " (a busy machine: figures disturbed)" if busy > 0.2 else ""
     print(f"other processes used {busy:.2f} cores meanwhile{note}")
@@ -636,6 +696,7 @@ def main(argv: list[str] | None = None) -> int:
         # Every variant calls the compiled wrapper; watch() looks through it. Hooks taken off and put back between
         # variants are guarded by dynamo: each variant gets its own compiled code once, in the warm-up.
         workload.model = torch.compile(workload.model)
+    module_calls = workload.module_calls()  # before compiling: a compiled forward runs the hooks of a graph
     model = workload.model
     bench = Bench(workload, device, scaler=args.scaler)
     n_params = sum(p.numel() for p in model.parameters())
@@ -665,7 +726,7 @@ def main(argv: list[str] | None = None) -> int:
                 variant.set_up(model, bench.optimizer, bench.scaler)
             try:
                 rounds = args.rounds if mode == "train" else args.infer_rounds
-                results[mode] = run_mode(bench, variants, mode, rounds, args.warmup)
+                results[mode] = run_mode(bench, variants, mode, rounds, args.warmup, module_calls)
                 problems += [problem for variant in variants for problem in variant.problems()]
             finally:
                 for variant in variants:
@@ -708,9 +769,17 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def print_issue13_target(args: argparse.Namespace, mode: str, results: dict[str, Any]) -> None:
-    """Issue 13's targets, for its runs: --dispatch (training) and --compile."""
+    """Issue 13's targets, for its runs: --dispatch (training) and --compile; issue 21's for --model dispatch-sgd."""
     watch = results["variants"].get("watch")
     if watch is None:
+        return
+    if args.model == "dispatch-sgd" and mode == "train" and not args.compile:
+        ratio, per_call = watch["paired_ratio_to_none"], watch["added_us_per_module_call"]
+        met = "met" if ratio <= DISPATCH_SGD_TARGET and per_call <= PER_CALL_TARGET_US else "NOT met"
+        print(
+            f"issue 21 target: dispatch-bound SGD training step, watch/none (paired) <= {DISPATCH_SGD_TARGET:.2f} and "
+            f"<= {PER_CALL_TARGET_US:.0f} us added per module call: {met} ({ratio:.3f}, {per_call:.1f} us)"
+        )
         return
     if args.compile:
         target, what = COMPILED_TARGET, "compiled and watched / compiled alone"

@@ -6,14 +6,25 @@ follow here, not a dozen tests.
 
 from __future__ import annotations
 
+from typing import Any
+
 from nanwatch.core.features.headroom import HeadroomMonitor
 from nanwatch.core.features.loss_scale import LossScaleFeature, LossScaleMonitor
 from nanwatch.core.features.summary import SummaryFeature
 from nanwatch.core.ranks import DetectionBoard
 from nanwatch.core.report import Report
+from nanwatch.core.stats.compiled import frame_key, record_call
 from nanwatch.core.watcher import Watcher
 
-__all__ = ["fail_internally", "headroom", "held_frame_counts", "loss_scale", "publish", "use_board"]
+__all__ = [
+    "fail_internally",
+    "headroom",
+    "held_frame_counts",
+    "loss_scale",
+    "publish",
+    "record_as_compiled",
+    "use_board",
+]
 
 
 def loss_scale(watcher: Watcher) -> LossScaleMonitor | None:
@@ -48,3 +59,13 @@ def publish(watcher: Watcher, report: Report) -> None:
 def fail_internally(watcher: Watcher, reason: str) -> None:
     """What the engine does when its own bookkeeping fails: stop watching, warn, and let the run go on."""
     watcher.disable(reason)
+
+
+def record_as_compiled(
+    watcher: Watcher, name: str, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
+) -> None:
+    """Record one call of watched module `name` as a hook traced by torch.compile records it (core/stats/compiled.py's
+    `record_call`, run eagerly: its operator hands the numbers to the recorder as a compiled graph's call would)."""
+    recorder = watcher._recorder
+    prefix = frame_key(recorder.sink.token, name, type(module).__name__)
+    record_call(prefix, module, args, kwargs, output, ())

@@ -312,7 +312,7 @@ class Watcher:
             self._last_loss = weakref.ref(loss)
             with torch.no_grad():
                 entry = Entry("loss", Role.LOSS, self._cache.measure(loss))
-            self._recorder.pending.append(self._recorder.frame("(loss)", type(loss).__name__, [entry]))
+            self._recorder.append(self._recorder.frame("(loss)", type(loss).__name__, [entry]), None)
         except Exception as error:  # our bookkeeping must never kill a healthy run
             self.disable(f"recording the loss failed: {error!r}")
 

@@ -133,3 +133,23 @@ def test_the_cache_stages_small_activations_and_measures_large_ones_alone() -> N
     changed = cache.activation(small)
     assert changed is not staged
     assert 2 * staged.abs_max.item() == changed.abs_max.item()
+
+
+def test_staging_a_graphs_tensor_copies_it_with_autograd_off_and_leaves_grad_mode_as_it_was() -> None:
+    stage = Staging()
+    leaf = torch.randn(3, 3, requires_grad=True)
+    first = stage.stage_plain(leaf * 3)  # makes the area (through stage(), from a detached alias)
+    second = stage.stage_plain(leaf * 5)  # the area exists: copied straight, with autograd off
+    assert first is not None
+    assert second is not None
+    assert torch.is_grad_enabled()
+    assert second[2] != 0  # the storage pointer, for the cache
+    assert not second[0].highs.requires_grad
+    assert _numbers(second[0], second[1]) == _expected(leaf * 5)
+    with torch.no_grad():
+        third = stage.stage_plain(leaf * 7)
+        assert not torch.is_grad_enabled()
+    assert third is not None
+    assert _numbers(third[0], third[1]) == _expected(leaf * 7)
+    for refused in (torch.ones(0), torch.ones(STAGE_MAX_NUMEL + 1), torch.ones(2, device="meta")):
+        assert stage.stage_plain(refused) is None

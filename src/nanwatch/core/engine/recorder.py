@@ -33,7 +33,17 @@ from nanwatch.core.stats.compiled import (
     record_marker,
 )
 from nanwatch.core.stats.measure import StatsCache, TrackedBatch
-from nanwatch.core.walk import TooDeep, TooMany, walk
+from nanwatch.core.walk import (
+    INPUT,
+    KEYWORD_PLAIN,
+    OUTPUT,
+    OUTPUT_LABEL,
+    input_label,
+    item_label,
+    keyword_label,
+    note,
+    value_leaves,
+)
 from nanwatch.errors import NanwatchError
 
 __all__ = ["MAX_PENDING_FRAMES", "Recorder", "hook_code", "own_code"]
@@ -41,14 +51,9 @@ __all__ = ["MAX_PENDING_FRAMES", "Recorder", "hook_code", "own_code"]
 # A loop that never ends its batches would grow the pending frames without bound; past this many (a few tens of MB),
 # they are checked and moved into the ring (a host read mid-batch, which a loop that ends its batches never pays).
 MAX_PENDING_FRAMES = 20_000
-# Labels built once rather than formatted at every module call.
-_INPUT_LABELS = tuple(f"input[{index}]" for index in range(16))
-_ITEM_SUFFIXES = tuple(f"[{index}]" for index in range(16))
 _PARAMETER, _INPUT, _OUTPUT = Role.PARAMETER, Role.INPUT, Role.OUTPUT
 _FORWARD, _RECOMPUTE = Direction.FORWARD, Direction.RECOMPUTE
 _ROLES = {role.value: role for role in Role}
-# Keyword inputs hold flags, sizes and caches as often as tensors: only values of these kinds are looked into.
-_PLAIN_VALUES = (bool, int, float, str, type(None))
 _PLAIN_PARAMETERS = (torch.nn.Parameter, torch.Tensor)
 _is_compiling = torch.compiler.is_compiling
 # -1 unless autograd runs a backward on this thread: what `hooks.recomputing()` asks, called here directly.
@@ -93,11 +98,14 @@ class Recorder:
         self.sink = Sink(self._take_compiled)
         self._outside: list[Callable[[], Any]] = []  # adapter hooks run from inside a graph (`outside_graph`)
 
-    def append(self, frame: Frame, module: torch.nn.Module, args: tuple[Any, ...] = (), output: Any = None) -> None:
-        """The one way a frame joins the pending frames."""
+    def append(
+        self, frame: Frame, module: torch.nn.Module | None, args: tuple[Any, ...] = (), output: Any = None
+    ) -> None:
+        """The one way a frame joins the pending frames. A frame of no module (the loss, `Watcher.watch_loss`) is not
+        traced: a trace shows module calls."""
         pending = self.pending
         pending.append(frame)
-        if self.tracing:
+        if self.tracing and module is not None:
             self._trace(frame, module, args, output)
         if len(pending) > MAX_PENDING_FRAMES:
             self._overflow()
@@ -167,19 +175,22 @@ class Recorder:
         params = module._parameters
         entries = known.lines(params, cache) if params else []
         activation = cache.activation
+        # The labels of core/walk.py, with fast paths for a tensor and a flat tuple (`_add_leaves`).
         for index, value in enumerate(args):
-            label = _INPUT_LABELS[index] if index < len(_INPUT_LABELS) else f"input[{index}]"
             if isinstance(value, torch.Tensor):
-                entries.append(Entry(label, _INPUT, activation(value)))
+                entries.append(Entry(input_label(index), _INPUT, activation(value)))
             else:
-                self._add_leaves(entries, value, label, _INPUT)
+                self._add_leaves(entries, value, input_label(index), INPUT)
         if kwargs:
             self._add_keyword_inputs(entries, kwargs)
         if isinstance(output, torch.Tensor):
-            entries.append(Entry("output", _OUTPUT, activation(output)))
+            entries.append(Entry(OUTPUT_LABEL, _OUTPUT, activation(output)))
         else:
-            self._add_leaves(entries, output, "output", _OUTPUT)
-        self.append(self.frame(name, class_name, entries, direction), module, args, output)
+            self._add_leaves(entries, output, OUTPUT_LABEL, OUTPUT)
+        counters = self._counters
+        phase = counters.phase
+        batch = counters.batch_number if phase == "train" else counters.eval_batch_number
+        self.append(Frame(name, class_name, batch, phase, entries, direction), module, args, output)
 
     def _add_keyword_inputs(self, entries: list[Entry], kwargs: dict[str, Any]) -> None:
         """Keyword inputs, labelled `input.<name>`: their tensors only (None, flags and sizes get no line, so a
@@ -187,39 +198,34 @@ class Recorder:
         activation = self._cache.activation
         for keyword, value in kwargs.items():
             if isinstance(value, torch.Tensor):
-                entries.append(Entry("input." + keyword, _INPUT, activation(value)))
-            elif not isinstance(value, _PLAIN_VALUES):
-                for leaf_label, leaf in walk(value, "input." + keyword):
+                entries.append(Entry(keyword_label(keyword), _INPUT, activation(value)))
+            elif not isinstance(value, KEYWORD_PLAIN):
+                for label, _, leaf, _ in value_leaves(value, keyword_label(keyword), INPUT, notes=False):
                     if isinstance(leaf, torch.Tensor):
-                        entries.append(Entry(leaf_label, _INPUT, activation(leaf)))
+                        entries.append(Entry(label, _INPUT, activation(leaf)))
 
-    def _add_leaves(self, entries: list[Entry], value: Any, label: str, role: Role) -> None:
+    def _add_leaves(self, entries: list[Entry], value: Any, label: str, role: str) -> None:
         activation = self._cache.activation
-        if type(value) is tuple and len(value) <= len(_ITEM_SUFFIXES):
+        kind = _ROLES[role]
+        if type(value) is tuple and len(value) <= 16:
             # The common case (attention blocks return `(hidden, None)`): a flat tuple of tensors and Nones needs
-            # no walk. Anything else in it, and the whole value is walked as usual (the same labels: core/walk.py).
+            # no walk. Anything else in it, and the whole value is walked as usual (the same labels).
             flat = []
             for index, item in enumerate(value):
                 if isinstance(item, torch.Tensor):
-                    flat.append(Entry(label + _ITEM_SUFFIXES[index], role, activation(item)))
+                    flat.append(Entry(item_label(label, index), kind, activation(item)))
                 elif item is None:
-                    flat.append(Entry(label + _ITEM_SUFFIXES[index], role, note="None"))
+                    flat.append(Entry(item_label(label, index), kind, note=note(None)))
                 else:
                     break
             else:
                 entries.extend(flat)
                 return
-        for leaf_label, leaf in walk(value, label):
+        for leaf_label, _, leaf, _ in value_leaves(value, label, role, notes=True):
             if isinstance(leaf, torch.Tensor):
-                entries.append(Entry(leaf_label, role, activation(leaf)))
-            elif leaf is None:
-                entries.append(Entry(leaf_label, role, note="None"))
-            elif isinstance(leaf, TooDeep):
-                entries.append(Entry(leaf_label, role, note="nested too deep"))
-            elif isinstance(leaf, TooMany):
-                entries.append(Entry(leaf_label, role, note="not shown"))
+                entries.append(Entry(leaf_label, kind, activation(leaf)))
             else:
-                entries.append(Entry(leaf_label, role, note="not a tensor"))
+                entries.append(Entry(leaf_label, kind, note=note(leaf)))
 
     def outside_graph(
         self, module: torch.nn.Module, hook: Callable[..., Any], *placeholders: Any
@@ -320,29 +326,22 @@ class _ParameterLines:
 
     def lines(self, params: Mapping[str, torch.Tensor | None], cache: StatsCache) -> list[Entry]:
         slots = self.slots
-        if slots is not None:
+        if slots is not None and len(params) == len(slots):
             batch = cache.tracked_batch()
-            if batch is not None and self._unchanged(params, slots, batch):
+            if batch is not None:
+                # Unchanged since measured: the same objects, with the version counters and storage they had then.
+                versions, pointers = batch.versions, batch.pointers
+                for param, (known, index) in zip(params.values(), slots):  # noqa: B905  (lengths compared)
+                    if param is not known or (
+                        param is not None and (param._version != versions[index] or param.data_ptr() != pointers[index])
+                    ):
+                        return self._make(params, cache)
                 if self.batch is not batch:  # the module's first call of this batch
                     measurements = batch.measurements
                     self.entries = [Entry(name, _PARAMETER, measurements[index]) for name, index in self.named]
                     self.batch = batch
                 return self.entries.copy()
         return self._make(params, cache)
-
-    @staticmethod
-    def _unchanged(
-        params: Mapping[str, torch.Tensor | None], slots: list[tuple[torch.Tensor | None, int]], batch: TrackedBatch
-    ) -> bool:
-        if len(params) != len(slots):
-            return False
-        versions, pointers = batch.versions, batch.pointers
-        for param, (known, index) in zip(params.values(), slots, strict=True):
-            if param is not known:
-                return False
-            if param is not None and (param._version != versions[index] or param.data_ptr() != pointers[index]):
-                return False
-        return True
 
     def _make(self, params: Mapping[str, torch.Tensor | None], cache: StatsCache) -> list[Entry]:
         entries: list[Entry] = []

@@ -108,7 +108,7 @@ def _measure_traced(
     if not missing:
         return resolved
     tensors: dict[str, torch.Tensor] = {n: p for n, p in module._parameters.items() if p is not None}
-    tensors.update((label, leaf) for label, leaf in call_leaves(args, output) if isinstance(leaf, torch.Tensor))
+    tensors.update((label, leaf) for label, _, leaf, _ in call_leaves(args, output) if isinstance(leaf, torch.Tensor))
     launched: list[tuple[int, str, torch.Tensor]] = []
     for index in missing:
         entry = resolved.entries[index]

@@ -30,7 +30,7 @@ import torch
 from nanwatch.core.stats.base import Kernel
 from nanwatch.core.stats.kernels import ABS_KEEPS_DTYPE, FLOAT8_DTYPES
 from nanwatch.core.stats.measure import Measurement
-from nanwatch.core.walk import TooDeep, TooMany, walk
+from nanwatch.core.walk import call_leaves, note
 
 __all__ = [
     "FrameTemplate",
@@ -148,17 +148,17 @@ def record_call(
     """Measure one module call as dynamo traces it, and hand the numbers to `nanwatch::record`.
 
     Only tensor ops and constants: nothing here reads a tensor's identity, storage or version. The lines and labels
-    are those of the eager path (parameters, `input[i]`, `input.<keyword>` for keyword tensors, `output...`).
+    are those of the eager path: the parameters, then the call's leaves as core/walk.py labels them.
     """
     record = _Record(kernels)
     for param_name, param in module._parameters.items():
         if param is not None:
             record.leaf(param_name, "parameter", param)
-    for index, value in enumerate(args):
-        record.leaves(value, f"input[{index}]", "input", notes=True)
-    for keyword, value in kwargs.items():
-        record.leaves(value, f"input.{keyword}", "input", notes=False)
-    record.leaves(output, "output", "output", notes=True)
+    for label, role, leaf, noted in call_leaves(args, output, kwargs):
+        if isinstance(leaf, torch.Tensor):
+            record.leaf(label, role, leaf)
+        elif noted:
+            record.texts.append(_FIELD.join((label, role, "", "", note(leaf), "", "")))
     record.emit(prefix + _PART + _LEAF.join(record.texts))
 
 
@@ -179,18 +179,6 @@ class _Record:
         self.extras: list[torch.Tensor] = []
         # dynamo cannot make text of a dynamic size: the sizes travel as numbers, the key says each tensor's rank
         self.sizes: list[Any] = []
-
-    def leaves(self, value: Any, label: str, role: str, *, notes: bool) -> None:
-        """The leaves of `value`, labelled as core/walk.py labels them. `notes`: also the lines without numbers
-        (None, not a tensor, ...); keyword inputs list their tensors only."""
-        if isinstance(value, torch.Tensor):
-            self.leaf(label, role, value)
-            return
-        for leaf_label, leaf in walk(value, label):
-            if isinstance(leaf, torch.Tensor):
-                self.leaf(leaf_label, role, leaf)
-            elif notes:
-                self.texts.append(_FIELD.join((leaf_label, role, "", "", _note(leaf), "", "")))
 
     def leaf(self, label: str, role: str, tensor: torch.Tensor) -> None:
         self.sizes.extend(tensor.shape)
@@ -222,16 +210,6 @@ class _Record:
         values = [torch.stack(pairs) for pairs in self.ranges] + self.extras
         values.append(torch.tensor(self.sizes, dtype=torch.int64, device="cpu"))
         _emit(key, values)
-
-
-def _note(leaf: object) -> str:
-    if leaf is None:
-        return "None"
-    if isinstance(leaf, TooDeep):
-        return "nested too deep"
-    if isinstance(leaf, TooMany):
-        return "not shown"
-    return "not a tensor"
 
 
 def _skipped(tensor: torch.Tensor) -> str:

@@ -603,12 +603,12 @@ class StatsCache:
         hit = self._last
         if hit is None or hit() is not tensor:
             hit = self._by_id.get(id(tensor))
+            if hit is None or hit() is not tensor:
+                return self._activation_miss(tensor, version)
         # The weak reference is alive, so the memory of the tensor measured cannot have been reused. Without storage
         # to compare (pointer 0), the dtype at least.
         if (
-            hit is not None
-            and hit() is tensor
-            and hit.version == version
+            hit.version == version
             and hit.pointer == _pointer(tensor)
             and (hit.pointer or hit.measurement.dtype == tensor.dtype)
         ):
@@ -619,6 +619,14 @@ class StatsCache:
     def _activation_miss(self, tensor: torch.Tensor, version: int) -> Measurement:
         if tensor.is_nested:  # no shape or stride to key on
             return measure(tensor, self._kernels)
+        if type(tensor) is torch.Tensor and not self._kernels:
+            # The commonest miss first (a module's fresh output): plain, small, with storage: staged, one copy.
+            found = self._staging.stage_plain(tensor)
+            if found is not None:
+                rows, row, pointer = found
+                stacked = StackedMeasurement(rows, row, tensor.dtype, tuple(tensor.shape))
+                self._last = self._by_id[id(tensor)] = _seen(tensor, version, pointer, stacked)
+                return stacked
         pointer = _pointer(tensor)
         # Keyed by where the values live, so a view with the same layout (`hidden[:, -n:, :]` with n the length,
         # `input_ids.view(-1, n)`) shares the measurement of the tensor it views; transformers models pass such views

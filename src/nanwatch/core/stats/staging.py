@@ -26,6 +26,7 @@ _FIRST_ROWS = 64
 # A buffer grows (doubling) up to this many rows; then, once full, its rows are reduced and it is written again.
 _MAX_ROWS = 1 << 13
 _STAGED_DTYPES = frozenset((torch.float32, torch.float16, torch.bfloat16, torch.float64))
+_grad_enabled, _set_grad_enabled = torch.is_grad_enabled, torch._C._set_grad_enabled
 
 
 class Rows:
@@ -124,6 +125,34 @@ class Staging:
         self._elements = 0
         self._max_elements = max_elements
         self._thread = threading.get_ident()
+
+    def stage_plain(self, tensor: torch.Tensor) -> tuple[StagedRows, int, int] | None:
+        """`stage()` of a plain `torch.Tensor` as a module returned it (attached to a graph or not), asking only what
+        staging needs: non-empty, small, strided, with storage. Also gives its storage pointer (for the cache). The
+        hot path of a model of many small modules: one torch call (the copy), no detached alias."""
+        numel = tensor.numel()
+        if not 0 < numel <= STAGE_MAX_NUMEL or tensor.layout is not torch.strided or tensor.is_meta:
+            return None
+        pointer = tensor.data_ptr()
+        if not pointer or threading.get_ident() != self._thread:
+            return None
+        key = (tensor.dtype, tensor.shape, tensor.device)
+        area = self._areas.get(key)
+        if area is None or area.count == len(area.rows):
+            staged = self.stage(tensor.detach())
+            return None if staged is None else (staged[0], staged[1], pointer)
+        count = area.count
+        if tensor.requires_grad and _grad_enabled():
+            _set_grad_enabled(False)  # copied with autograd off, so the buffer joins no graph
+            try:
+                area.rows[count].copy_(tensor)
+            finally:
+                _set_grad_enabled(True)
+        else:
+            area.rows[count].copy_(tensor)
+        area.count = count + 1
+        segment = area.segment
+        return segment, count - segment.start, pointer
 
     def stage(self, data: torch.Tensor) -> tuple[StagedRows, int] | None:
         if threading.get_ident() != self._thread:
