@@ -19,7 +19,7 @@ import torch
 from nanwatch.adapters import _common
 from nanwatch.core.config import resolve_config
 from nanwatch.core.contract import AdapterContract
-from nanwatch.core.readouts import LOSS_SCALE_HISTORY, LossScaleHistory, Summary, scaler_of
+from nanwatch.core.readouts import LossScaleHistory, Summary, scaler_of
 from nanwatch.core.watcher import Watcher
 
 try:
@@ -102,7 +102,7 @@ class OverflowTrainerCallback(TrainerCallback):  # type: ignore[misc,unused-igno
         """Remove every hook nanwatch put on the model (safe to call more than once)."""
         watcher, self.watcher = self.watcher, None
         if watcher is not None:
-            self.loss_scale = watcher.read(LOSS_SCALE_HISTORY) or self.loss_scale
+            self.loss_scale = watcher.loss_scale_history() or self.loss_scale
             watcher.close(check=check)
 
     def _before_top_forward(self, module: torch.nn.Module, args: tuple[Any, ...]) -> None:

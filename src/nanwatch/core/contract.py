@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     import torch
 
     from nanwatch.core.frames import Frame
-    from nanwatch.core.readouts import GradScalerLike, Readout, Summary
+    from nanwatch.core.readouts import GradScalerLike, LossScaleHistory, Readout, Summary
     from nanwatch.core.report import Report
 
 __all__ = ["KEEP", "AdapterContract"]
@@ -141,6 +141,9 @@ class AdapterContract(EngineState, Protocol):
 
     def summary(self) -> Summary | None:
         """The per-module abs max of the last training batch checked clean, or None."""
+
+    def loss_scale_history(self) -> LossScaleHistory | None:
+        """The loss scale's history under a GradScaler, or None without one."""
 
     def recent_frames(self) -> list[Frame]:
         """The ring's frames, then those not yet checked."""

@@ -44,7 +44,15 @@ from nanwatch.core.gcpause import pause_collection, resume_collection
 from nanwatch.core.hooks import HookSet, module_class_name, named_unique_modules, reshards_after_forward
 from nanwatch.core.log import get_logger, warn
 from nanwatch.core.ranks import Detection, world_size_and_rank
-from nanwatch.core.readouts import SUMMARY, GradScalerLike, Readout, Summary, checked_scaler
+from nanwatch.core.readouts import (
+    LOSS_SCALE_HISTORY,
+    SUMMARY,
+    GradScalerLike,
+    LossScaleHistory,
+    Readout,
+    Summary,
+    checked_scaler,
+)
 from nanwatch.core.report import Report
 from nanwatch.core.scope import select_modules
 from nanwatch.errors import BatchLimitReached
@@ -380,6 +388,10 @@ class Watcher:
     def summary(self) -> Summary | None:
         """Abs max per watched module in the last training batch checked clean (reads its numbers back), or None."""
         return self.read(SUMMARY)
+
+    def loss_scale_history(self) -> LossScaleHistory | None:
+        """The loss scale's history under a GradScaler (`watch_scaler`), or None without one."""
+        return self.read(LOSS_SCALE_HISTORY)
 
     def feature(self, kind: type[_F]) -> _F | None:
         """The feature of class `kind` this watcher runs, or None where the config leaves it out."""
