@@ -9,7 +9,8 @@ Where each thing happens:
 - core/engine/checker.py: the check (one host read), the reports, the ring of earlier frames;
 - core/engine/arbiter.py: a detection from found to held to agreed across ranks to raised;
 - core/engine/publisher.py: the report into the log and onto disk;
-- core/engine/plugins.py: the features (core/features/), which plug into the events of core/events.py.
+- core/engine/plugins.py: the features (core/features/), which plug into the events of core/events.py;
+- core/engine/readings.py: what the facade offers to read (counters, readouts, recent frames).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from __future__ import annotations
 import logging
 import weakref
 from collections.abc import Callable, Iterable, Mapping
-from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar, overload
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import torch
 
@@ -35,21 +36,17 @@ from nanwatch.core.engine.context import Fixed
 from nanwatch.core.engine.counters import PHASES
 from nanwatch.core.engine.holding import Held
 from nanwatch.core.engine.notices import nothing_recorded
+from nanwatch.core.engine.readings import Readings
 from nanwatch.core.engine.recorder import hook_code, own_code
 from nanwatch.core.events import KEEP, Feature, Kept, OptimizerStage, Phase
 from nanwatch.core.features import features_for
 from nanwatch.core.formats.files import prepare_report_dir
-from nanwatch.core.frames import Entry, Frame, Role
 from nanwatch.core.gcpause import pause_collection, resume_collection
-from nanwatch.core.hooks import HookSet, module_class_name, named_unique_modules, reshards_after_forward
+from nanwatch.core.hooks import HookSet, named_unique_modules
 from nanwatch.core.log import get_logger, warn
 from nanwatch.core.ranks import Detection, world_size_and_rank
 from nanwatch.core.readouts import (
-    LOSS_SCALE_HISTORY,
-    SUMMARY,
     GradScalerLike,
-    LossScaleHistory,
-    Readout,
     Summary,
     checked_scaler,
 )
@@ -63,24 +60,7 @@ _F = TypeVar("_F", bound=Feature)
 _T = TypeVar("_T")
 
 
-class _Reads(Generic[_T]):
-    """A read-only attribute of the facade that one of its parts holds (`watcher.phase` is the counters' `phase`)."""
-
-    def __init__(self, part: str, doc: str | None = None) -> None:
-        self.part, self.__doc__ = part, doc
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.name = name
-
-    @overload
-    def __get__(self, facade: None, owner: type) -> _Reads[_T]: ...
-    @overload
-    def __get__(self, facade: object, owner: type) -> _T: ...
-    def __get__(self, facade: object, owner: type) -> Any:
-        return self if facade is None else getattr(getattr(facade, self.part), self.name)
-
-
-class Watcher:
+class Watcher(Readings):
     """Records what every module of `model` sees and finds the first inf/nan.
 
     Args:
@@ -112,7 +92,6 @@ class Watcher:
         self.summary_sink: Callable[[Summary], None] | None = self._log_summary
         self._disabled_reason: str | None = None
         self._told_nothing_recorded = False
-        self._hooked = False  # module hooks were attached once (full mode), whether or not they are still there
         self._guarded = False  # an adapter checks before each optimizer step
         self._guarded_optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         self._last_loss: weakref.ref[torch.Tensor] | None = None
@@ -146,24 +125,10 @@ class Watcher:
             without_compile_wrappers(candidates), self.config.include_modules, self.config.exclude_modules
         )
         if self.config.mode == "full":  # sentinel mode: no per-module hook (core/features/sentinel.py)
-            self._hook_modules(selected)
+            # A replay runs the model eagerly: compiled code is not in its way.
+            self._recorder.hook(selected, self._hooks, forget_stale=not self._replaying, info=self.logger.info)
         for feature in self._features:  # after the frame hooks: their hooks run once a frame is recorded
             feature.attach(self._features.ctx, selected)  # type: ignore[arg-type]
-
-    def _hook_modules(self, selected: list[tuple[str, torch.nn.Module]]) -> None:
-        recorder = self._recorder
-        for name, module in selected:
-            # On a module FSDP2 manages, before FSDP's own forward hook frees the gathered parameters; keyword inputs
-            # are inputs too (`model(**batch)`).
-            hook = recorder.make_hook(name, module_class_name(module))
-            handle = module.register_forward_hook(hook, with_kwargs=True, prepend=reshards_after_forward(module))
-            self._hooks.add_handle(handle)
-            recorder.modules.setdefault(name, module)
-        # Measured together once per batch, rather than one launch per parameter (StatsCache).
-        self._cache.track_parameters(p for _, m in selected for p in m._parameters.values() if p is not None)
-        if not self._replaying:  # a replay runs the model eagerly: its compiled code is not in the way
-            recorder.forget_stale_compiled_code([module for _, module in selected], self.logger.info, warn)
-        self._hooked = bool(selected)
 
     def close(self, *, check: bool = True, raise_detection: bool = False) -> Report | None:
         """`AdapterContract.close` (core/contract.py)."""
@@ -212,10 +177,6 @@ class Watcher:
         outside the wrapper's own machinery (a compiled graph), and runs `model` itself to replay. Once closed, held
         weakly (as `model`)."""
         return self._entry.get()
-
-    @entry.setter
-    def entry(self, module: torch.nn.Module) -> None:
-        self._entry = Held(module, "entry module")
 
     def set_phase(self, phase: Phase) -> None:
         """`AdapterContract.set_phase` (core/contract.py)."""
@@ -282,7 +243,7 @@ class Watcher:
         notice = nothing_recorded(
             self._counters.batch_number,
             attached=self.attached,
-            hooked=self._hooked,
+            hooked=self._recorder.hooked,
             modules=bool(self._recorder.modules),
             compiled=compiled_anything(),
         )
@@ -318,9 +279,7 @@ class Watcher:
             return
         try:
             self._last_loss = weakref.ref(loss)
-            with torch.no_grad():
-                entry = Entry("loss", Role.LOSS, self._cache.measure(loss))
-            self._recorder.append(self._recorder.frame("(loss)", type(loss).__name__, [entry]), None)
+            self._recorder.record_loss(loss)
         except Exception as error:  # our bookkeeping must never kill a healthy run
             self.disable(f"recording the loss failed: {error!r}")
 
@@ -346,64 +305,6 @@ class Watcher:
     ) -> Callable[..., Any]:
         """An adapter's `hook` on `module`, as a hook a compiled graph does not trace (core/engine/recorder.py)."""
         return self._recorder.outside_graph(module, hook, *placeholders)
-
-    # ------------------------------------------------------------------------------------------ what to read
-
-    phase = _Reads[Phase]("_counters")
-    batch_number = _Reads[int]("_counters", "The current (or next) training micro-batch.")
-    eval_batch_number = _Reads[int]("_counters")
-    optimizer_step = _Reads["int | None"]("_counters")
-    epoch = _Reads["int | None"]("_counters")
-    current_batch = _Reads[int]("_counters", "The current micro-batch of the current phase.")
-    recording = _Reads[bool]("_recorder", "Whether the current micro-batch is recorded.")
-    tracing = _Reads[bool]("_recorder", "Whether the current batch is traced (`trace_batch_nums`, `trace_ranks`).")
-
-    @property
-    def attached(self) -> bool:
-        return len(self._hooks) > 0
-
-    @property
-    def hooks(self) -> HookSet:
-        """The handles of every hook this watcher owns; adapters add theirs here so `close()` removes them too."""
-        return self._hooks
-
-    def guards(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Whether an adapter checks before each step of `optimizer` (reported at the "guarded" stage)."""
-        return optimizer in self._guarded_optimizers
-
-    @property
-    def guarded(self) -> bool:
-        """Whether an adapter checks before each optimizer step (a detection may be held until then)."""
-        return self._guarded
-
-    @property
-    def disabled_reason(self) -> str | None:
-        """Why watching stopped after an internal failure, or None while it works."""
-        return self._disabled_reason
-
-    def read(self, readout: Readout[Callable[[], _T]]) -> _T | None:
-        """What a feature offers (core/readouts.py: `SUMMARY`, `LOSS_SCALE_HISTORY`), or None where none does."""
-        return self._features.read(readout)
-
-    def summary(self) -> Summary | None:
-        """Abs max per watched module in the last training batch checked clean (reads its numbers back), or None."""
-        return self.read(SUMMARY)
-
-    def loss_scale_history(self) -> LossScaleHistory | None:
-        """The loss scale's history under a GradScaler (`watch_scaler`), or None without one."""
-        return self.read(LOSS_SCALE_HISTORY)
-
-    def feature(self, kind: type[_F]) -> _F | None:
-        """The feature of class `kind` this watcher runs, or None where the config leaves it out."""
-        return self._features.find(kind)
-
-    def recent_frames(self) -> list[Frame]:
-        """The ring's frames followed by those not yet checked (for tests and tools)."""
-        return self._checker.ring.frames() + list(self._recorder.pending)
-
-    def check(self) -> Report | None:
-        """Check the pending frames on this rank alone (one host read); a report if they hold inf/nan."""
-        return self._checker.check_safely()
 
     # ------------------------------------------------------------------------------------------ bookkeeping
 

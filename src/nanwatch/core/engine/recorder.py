@@ -9,7 +9,7 @@ batches lets them pile up.
 from __future__ import annotations
 
 import types
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -22,7 +22,10 @@ from nanwatch.core.compiler import (
     with_compiled_code,
 )
 from nanwatch.core.engine.counters import Counters
+from nanwatch.core.engine.parameter_lines import ParameterLines
 from nanwatch.core.frames import Direction, Entry, Frame, Role
+from nanwatch.core.hooks import HookSet, module_class_name, reshards_after_forward
+from nanwatch.core.log import warn
 from nanwatch.core.stats.compiled import (
     Sink,
     frame_key,
@@ -32,7 +35,7 @@ from nanwatch.core.stats.compiled import (
     record_call,
     record_marker,
 )
-from nanwatch.core.stats.measure import StatsCache, TrackedBatch
+from nanwatch.core.stats.measure import StatsCache
 from nanwatch.core.walk import (
     INPUT,
     KEYWORD_PLAIN,
@@ -87,6 +90,7 @@ class Recorder:
         self.pending: list[Frame] = []
         self.recording = True  # False in an unwatched batch or phase, or once watching is disabled: hooks return
         self.tracing = False
+        self.hooked = False  # hooks were put on modules once (full mode), whether or not they are still there
         self.modules: dict[str, torch.nn.Module] = {}  # the watched modules by name, for traced compiled frames
         self._counters = counters
         self._cache = cache
@@ -122,6 +126,29 @@ class Recorder:
         batch = counters.batch_number if phase == "train" else counters.eval_batch_number
         return Frame(module_name, class_name, batch, phase, entries, direction)
 
+    def hook(
+        self,
+        selected: list[tuple[str, torch.nn.Module]],
+        hooks: HookSet,
+        *,
+        forget_stale: bool,
+        info: Callable[[str], None],
+    ) -> None:
+        """A forward hook on each of the `(name, module)` pairs in `selected`, its handle kept in `hooks`; their
+        parameters tracked (measured together once per batch, rather than one launch per parameter)."""
+        for name, module in selected:
+            # On a module FSDP2 manages, before FSDP's own forward hook frees the gathered parameters; keyword inputs
+            # are inputs too (`model(**batch)`).
+            hook = self.make_hook(name, module_class_name(module))
+            hooks.add_handle(
+                module.register_forward_hook(hook, with_kwargs=True, prepend=reshards_after_forward(module))
+            )
+            self.modules.setdefault(name, module)
+        self._cache.track_parameters(p for _, m in selected for p in m._parameters.values() if p is not None)
+        if forget_stale:
+            self.forget_stale_compiled_code([module for _, module in selected], info, warn)
+        self.hooked = bool(selected)
+
     def close(self) -> None:
         self.sink.close()
         self.modules.clear()
@@ -133,7 +160,7 @@ class Recorder:
         """The forward hook (with keyword inputs) that records `name`'s calls."""
         prefix, kernels, record = frame_key(self.sink.token, name, class_name), self._cache.kernels, self._record
         show_recomputes = self._show_recomputes
-        known = _ParameterLines()  # this module's parameter lines, made once per batch (`_record`)
+        known = ParameterLines()  # this module's parameter lines, made once per batch (`_record`)
 
         def forward_hook(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
             if not self.recording:
@@ -165,7 +192,7 @@ class Recorder:
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         output: Any,
-        known: _ParameterLines,
+        known: ParameterLines,
         direction: Direction,
     ) -> None:
         # Runs after every module's forward, right after heavy kernels have flushed the CPU caches, where each
@@ -191,6 +218,12 @@ class Recorder:
         phase = counters.phase
         batch = counters.batch_number if phase == "train" else counters.eval_batch_number
         self.append(Frame(name, class_name, batch, phase, entries, direction), module, args, output)
+
+    def record_loss(self, loss: torch.Tensor) -> None:
+        """A loss computed outside the watched modules, as a frame of its own (module `(loss)`, not traced)."""
+        with torch.no_grad():
+            entry = Entry("loss", Role.LOSS, self._cache.measure(loss))
+        self.append(self.frame("(loss)", type(loss).__name__, [entry]), None)
 
     def _add_keyword_inputs(self, entries: list[Entry], kwargs: dict[str, Any]) -> None:
         """Keyword inputs, labelled `input.<name>`: their tensors only (None, flags and sizes get no line, so a
@@ -305,61 +338,3 @@ def hook_code() -> list[types.CodeType]:
 def own_code() -> list[types.CodeType]:
     """nanwatch's code that dynamo may have compiled as frames of their own: the hooks and what they call."""
     return [*hook_code(), record_call.__code__, record_marker.__code__]
-
-
-class _ParameterLines:
-    """One module's parameter lines. Made once per batch from the parameters' batch measurements, and used again at
-    every later call of the batch; asked of the cache one by one only when a parameter is not tracked, or was changed
-    (version counter, storage) or replaced since it was measured. Each call then costs a check of the parameters'
-    fingerprints, not a lookup per parameter, and the calls of a batch share the line objects (fewer objects for the
-    garbage collector to walk)."""
-
-    __slots__ = ("batch", "entries", "slots", "named")
-
-    def __init__(self) -> None:
-        self.batch: TrackedBatch | None = None  # the batch whose measurements `entries` hold
-        self.entries: list[Entry] = []
-        # Per item of the module's parameter dict: the tensor and where it is among the tracked (-1 for a None); None
-        # until made, or when not every parameter is tracked.
-        self.slots: list[tuple[torch.Tensor | None, int]] | None = None
-        self.named: list[tuple[str, int]] = []
-
-    def lines(self, params: Mapping[str, torch.Tensor | None], cache: StatsCache) -> list[Entry]:
-        slots = self.slots
-        if slots is not None and len(params) == len(slots):
-            batch = cache.tracked_batch()
-            if batch is not None:
-                # Unchanged since measured: the same objects, with the version counters and storage they had then.
-                versions, pointers = batch.versions, batch.pointers
-                for param, (known, index) in zip(params.values(), slots):  # noqa: B905  (lengths compared)
-                    if param is not known or (
-                        param is not None and (param._version != versions[index] or param.data_ptr() != pointers[index])
-                    ):
-                        return self._make(params, cache)
-                if self.batch is not batch:  # the module's first call of this batch
-                    measurements = batch.measurements
-                    self.entries = [Entry(name, _PARAMETER, measurements[index]) for name, index in self.named]
-                    self.batch = batch
-                return self.entries.copy()
-        return self._make(params, cache)
-
-    def _make(self, params: Mapping[str, torch.Tensor | None], cache: StatsCache) -> list[Entry]:
-        entries: list[Entry] = []
-        slots: list[tuple[torch.Tensor | None, int]] = []
-        named: list[tuple[str, int]] = []
-        tracked = True
-        for name, param in params.items():
-            if param is None:
-                slots.append((None, -1))
-                continue
-            entries.append(Entry(name, _PARAMETER, cache.parameter(param)))
-            plain = type(param) in _PLAIN_PARAMETERS and param.layout is torch.strided
-            index = cache.index_of(param) if plain else None
-            if index is None:  # measured apart (an inference or sparse tensor, a DTensor): asked for at every call
-                tracked = False
-            else:
-                slots.append((param, index))
-                named.append((name, index))
-        self.slots, self.named = (slots if tracked else None), named
-        self.batch = None  # these lines may hold a changed parameter's own measurement, not the batch's
-        return entries

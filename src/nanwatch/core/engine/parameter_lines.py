@@ -1,0 +1,73 @@
+"""A module's parameter lines, made once per batch and handed out again at every later call of that batch."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from nanwatch.core.frames import Entry, Role
+from nanwatch.core.stats.measure import StatsCache, TrackedBatch
+
+__all__ = ["ParameterLines"]
+
+_PARAMETER = Role.PARAMETER
+_PLAIN_PARAMETERS = (torch.nn.Parameter, torch.Tensor)
+
+
+class ParameterLines:
+    """One module's parameter lines. Made once per batch from the parameters' batch measurements, and used again at
+    every later call of the batch; asked of the cache one by one only when a parameter is not tracked, or was changed
+    (version counter, storage) or replaced since it was measured. Each call then costs a check of the parameters'
+    fingerprints, not a lookup per parameter, and the calls of a batch share the line objects (fewer objects for the
+    garbage collector to walk)."""
+
+    __slots__ = ("batch", "entries", "slots", "named")
+
+    def __init__(self) -> None:
+        self.batch: TrackedBatch | None = None  # the batch whose measurements `entries` hold
+        self.entries: list[Entry] = []
+        # Per item of the module's parameter dict: the tensor and where it is among the tracked (-1 for a None); None
+        # until made, or when not every parameter is tracked.
+        self.slots: list[tuple[torch.Tensor | None, int]] | None = None
+        self.named: list[tuple[str, int]] = []
+
+    def lines(self, params: Mapping[str, torch.Tensor | None], cache: StatsCache) -> list[Entry]:
+        slots = self.slots
+        if slots is not None and len(params) == len(slots):
+            batch = cache.tracked_batch()
+            if batch is not None:
+                # Unchanged since measured: the same objects, with the version counters and storage they had then.
+                versions, pointers = batch.versions, batch.pointers
+                for param, (known, index) in zip(params.values(), slots):  # noqa: B905  (lengths compared)
+                    if param is not known or (
+                        param is not None and (param._version != versions[index] or param.data_ptr() != pointers[index])
+                    ):
+                        return self._make(params, cache)
+                if self.batch is not batch:  # the module's first call of this batch
+                    measurements = batch.measurements
+                    self.entries = [Entry(name, _PARAMETER, measurements[index]) for name, index in self.named]
+                    self.batch = batch
+                return self.entries.copy()
+        return self._make(params, cache)
+
+    def _make(self, params: Mapping[str, torch.Tensor | None], cache: StatsCache) -> list[Entry]:
+        entries: list[Entry] = []
+        slots: list[tuple[torch.Tensor | None, int]] = []
+        named: list[tuple[str, int]] = []
+        tracked = True
+        for name, param in params.items():
+            if param is None:
+                slots.append((None, -1))
+                continue
+            entries.append(Entry(name, _PARAMETER, cache.parameter(param)))
+            plain = type(param) in _PLAIN_PARAMETERS and param.layout is torch.strided
+            index = cache.index_of(param) if plain else None
+            if index is None:  # measured apart (an inference or sparse tensor, a DTensor): asked for at every call
+                tracked = False
+            else:
+                slots.append((param, index))
+                named.append((name, index))
+        self.slots, self.named = (slots if tracked else None), named
+        self.batch = None  # these lines may hold a changed parameter's own measurement, not the batch's
+        return entries
