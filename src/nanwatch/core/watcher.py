@@ -145,7 +145,7 @@ class Watcher:
         selected = select_modules(
             without_compile_wrappers(candidates), self.config.include_modules, self.config.exclude_modules
         )
-        if self.config.mode == "full":  # sentinel mode: no per-module hook (core/features/sentinel.py)
+        if self.config.mode == "full":  # sentinel mode: no per-module hook (core/features/sentinel/)
             self._hook_modules(selected)
         for feature in self._features:  # after the frame hooks: their hooks run once a frame is recorded
             feature.attach(self._features.ctx, selected)  # type: ignore[arg-type]
