@@ -1,4 +1,4 @@
-"""core/config.py: one WatchConfig from keyword arguments, a dict or a YAML/JSON file; every mistake names its field."""
+"""core/config/: one WatchConfig from keyword arguments, a dict or a YAML/JSON file; every mistake names its field."""
 
 from __future__ import annotations
 

@@ -124,7 +124,7 @@ class Watcher(Readings):
         selected = select_modules(
             without_compile_wrappers(candidates), self.config.include_modules, self.config.exclude_modules
         )
-        if self.config.mode == "full":  # sentinel mode: no per-module hook (core/features/sentinel.py)
+        if self.config.mode == "full":  # sentinel mode: no per-module hook (core/features/sentinel/)
             # A replay runs the model eagerly: compiled code is not in its way.
             self._recorder.hook(selected, self._hooks, forget_stale=not self._replaying, info=self.logger.info)
         for feature in self._features:  # after the frame hooks: their hooks run once a frame is recorded

@@ -1,4 +1,4 @@
-"""core/features/sentinel.py: sentinel mode on the plain loop, against full mode.
+"""core/features/sentinel/: sentinel mode on the plain loop, against full mode.
 
 The replay of the failing micro-batch must give, value for value, the frames full mode records for it: on every
 model of the differential tests (which full mode matches transformers' tool on), with BatchNorm and Dropout, for a nan

@@ -79,13 +79,18 @@ def load_replay_file(path: str | Path, *, trusted: bool = False) -> dict[str, An
             objects that only a trusted load may unpickle.
     """
     path = Path(path)
+    return _checked(_unpickle(path, trusted=trusted), path)
+
+
+def _unpickle(path: Path, *, trusted: bool) -> Any:
+    """What the torch file at `path` holds; every way it is not one (or needs a trusted load) as a `ReplayError`."""
     if not path.is_file():
         raise ReplayError(
             f"replay file {str(path)!r} does not exist" if not path.exists() else f"{str(path)!r} is not a file"
         )
     not_torch = f"{str(path)!r} is not a nanwatch replay file (it is not a file written by torch.save)"
     try:
-        data = torch.load(path, map_location="cpu", weights_only=not trusted)
+        return torch.load(path, map_location="cpu", weights_only=not trusted)
     except pickle.UnpicklingError as error:
         found = re.search(r"GLOBAL (\S+) was not an allowed global", str(error))
         if found is None:
@@ -97,6 +102,10 @@ def load_replay_file(path: str | Path, *, trusted: bool = False) -> dict[str, An
         ) from error
     except Exception as error:  # a zip that is not torch's, a truncated file, plain text: torch raises all kinds
         raise ReplayError(f"{not_torch}: {type(error).__name__}") from error
+
+
+def _checked(data: Any, path: Path) -> dict[str, Any]:
+    """`data`, once it is a replay file's content, of a version this nanwatch reads, whole; else a `ReplayError`."""
     if not isinstance(data, dict) or data.get("format") != REPLAY_FORMAT:
         what = f"a dict with keys {sorted(map(str, data))[:8]}" if isinstance(data, dict) else type(data).__name__
         raise ReplayError(

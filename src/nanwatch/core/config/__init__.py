@@ -1,28 +1,25 @@
-"""`WatchConfig`: the one configuration shared by every entry point and adapter."""
+"""`WatchConfig`: the one configuration shared by every entry point and adapter.
+
+The model and its rules live here; how a file is read (`reading`) and how a mistake is worded (`messages`) sit beside
+it, since the CLI uses both without building a config.
+"""
 
 from __future__ import annotations
 
-import difflib
-import json
 import math
-import reprlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from nanwatch.core.config.messages import describe, echo
+from nanwatch.core.config.reading import MAX_VALUES, read_config_file, too_many_values
 from nanwatch.errors import ConfigError
 
 __all__ = ["WatchConfig", "ConfigError", "resolve_config", "read_config_file", "echo", "MAX_FRAMES"]
 
 # The most frames a report may show: nanwatch keeps that many at all times, whatever the loop does.
 MAX_FRAMES = 10_000
-# Echoed inputs are cut to this many characters: a message must fit on a screen, whatever was passed in.
-_ECHO = 120
-# A config is a handful of fields: a document of more values than this (YAML aliases can nest a small file into
-# billions of them) is refused before anything walks it.
-_MAX_VALUES = 10_000
 
 
 class WatchConfig(BaseModel):
@@ -287,9 +284,9 @@ class WatchConfig(BaseModel):
         """Build a config from a mapping; unknown keys and bad values raise `ConfigError` naming the field."""
         if not isinstance(data, dict):
             raise ConfigError(f"{source}: expected a mapping of WatchConfig fields, got {type(data).__name__}")
-        if _too_many_values(data):
+        if too_many_values(data):
             raise ConfigError(
-                f"{source}: holds more than {_MAX_VALUES} values (YAML anchors and aliases nested into each other?); "
+                f"{source}: holds more than {MAX_VALUES} values (YAML anchors and aliases nested into each other?); "
                 "a config is a handful of fields"
             )
         try:
@@ -333,88 +330,8 @@ class WatchConfig(BaseModel):
         )
 
 
-def read_config_file(path: str | Path) -> dict[str, Any]:
-    """The mapping a `.yaml`/`.yml` or `.json` config file holds (empty for an empty file), not yet validated.
-
-    Raises:
-        ConfigError: the file is missing or unreadable, not UTF-8 text, not YAML/JSON, not a mapping, or far too big.
-    """
-    path = Path(path)
-    shown = repr(str(path))
-    suffix = path.suffix.lower()
-    if suffix not in {".json", ".yaml", ".yml"}:
-        raise ConfigError(f"config file {shown}: expected a .yaml, .yml or .json file, got {suffix or 'no suffix'!r}")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as error:
-        raise ConfigError(f"cannot read config file {shown}: {error.strerror or error}") from None
-    except UnicodeDecodeError as error:
-        raise ConfigError(
-            f"config file {shown} is not UTF-8 text (byte {error.start} is {error.object[error.start]:#04x}); "
-            "expected a YAML or JSON file"
-        ) from None
-    try:
-        data = (json.loads(text) if text.strip() else None) if suffix == ".json" else yaml.safe_load(text)
-    except (yaml.YAMLError, json.JSONDecodeError) as error:
-        raise ConfigError(f"config file {shown} is not valid {suffix[1:].upper()}: {_short(str(error), 300)}") from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"config file {shown}: expected a mapping of WatchConfig fields, got {type(data).__name__}")
-    if _too_many_values(data):
-        raise ConfigError(
-            f"config file {shown} holds more than {_MAX_VALUES} values (YAML anchors and aliases nested into each "
-            "other?); a config is a handful of fields"
-        )
-    return data
-
-
 def _describe(error: ValidationError, source: str) -> str:
-    problems = []
-    for item in error.errors():
-        field = ".".join(str(part) for part in item["loc"]) or "(root)"
-        if item["type"] == "extra_forbidden":
-            known = ", ".join(WatchConfig.model_fields)
-            near = difflib.get_close_matches(field, list(WatchConfig.model_fields), n=1)
-            hint = f"did you mean {near[0]!r}? " if near else ""
-            problems.append(f"unknown field {field!r} ({hint}known fields: {known})")
-        elif not item["loc"]:  # a rule across fields (capture_on_detect needs report_dir)
-            problems.append(item["msg"].removeprefix("Value error, "))
-        else:
-            message = item["msg"].removeprefix("Value error, ")
-            problems.append(f"field {field!r}: {message} (got {echo(item.get('input'))})")
-    return f"{source}: " + "; ".join(problems)
-
-
-def echo(value: object) -> str:
-    """A received value as a message shows it: its repr, cut short (a shared YAML alias can be enormous)."""
-    return _short(_REPR.repr(value), _ECHO)
-
-
-_REPR = reprlib.Repr()  # attributes set one by one: Python 3.10 and 3.11 take no keywords here
-_REPR.maxlevel, _REPR.maxlist, _REPR.maxdict, _REPR.maxstring, _REPR.maxother = 2, 6, 6, 60, 60
-
-
-def _short(text: str, limit: int) -> str:
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def _too_many_values(data: object) -> bool:
-    """Whether `data` holds more than `_MAX_VALUES` values, counting shared (aliased) containers each time they
-    appear, as validation would walk them; stops counting as soon as it knows."""
-    budget = _MAX_VALUES
-    stack = [data]
-    while stack:
-        value = stack.pop()
-        budget -= 1
-        if budget < 0:
-            return True
-        if isinstance(value, dict):
-            stack.extend(value.keys())
-            stack.extend(value.values())
-        elif isinstance(value, (list, tuple)):
-            stack.extend(value)
-    return False
+    return describe(error, source, list(WatchConfig.model_fields))
 
 
 def resolve_config(config: WatchConfig | dict[str, Any] | str | Path | None, **overrides: Any) -> WatchConfig:

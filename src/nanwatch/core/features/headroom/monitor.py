@@ -1,15 +1,8 @@
-"""Headroom by dtype: warn before anything is inf, warn about values that underflow, and ask "would this fit float16?".
+"""The headroom feature itself: thresholds screened in the check's one read, findings judged and warned about.
 
-Every floating-point tensor is judged against its own dtype's limits (`torch.finfo`): float16 reaches inf past 65504,
-bfloat16 past ~3.39e38, float8_e4m3fn saturates at 448, float8_e5m2 reaches inf past 57344; below each one's smallest
-normal number values lose precision (subnormal), and below half its smallest subnormal they round to zero.
-
-Cost. The engine reads, once per check, one flag per device that says whether every abs max is finite. This feature
-adds flags to that same read: `abs_max < threshold` over the same stacked maxima (False for inf, for nan and for a
-value at or past the threshold), and, with `count_underflow`, whether any tensor's underflow count exceeds
-`underflow_warn_fraction` (the underflow statistic's hidden excess, core/stats/underflow.py). Only when one of them
-trips are the numbers read back and the offending tensors named (a batch holding inf/nan goes on to the report).
-Active on the ranks `trace_ranks` names (the others only detect inf/nan, at no extra cost).
+What headroom is and what it costs: the package's docstring (core/features/headroom/__init__.py). This module holds the
+engine-facing part: the flags added to the check's read (`screen`), the look at the numbers once one trips
+(`review`), and the warnings: at most `MAX_LINES` lines each, a tensor again only once it got worse (findings.py).
 """
 
 from __future__ import annotations
@@ -17,100 +10,25 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
 from nanwatch.core.config import WatchConfig
 from nanwatch.core.events import EngineContext, Feature
+from nanwatch.core.features.headroom.findings import Finding, FindingKind, badness
+from nanwatch.core.features.headroom.readback import read_counts, read_floats, unique_measurements
+from nanwatch.core.features.headroom.run_summary import summary_text
 from nanwatch.core.frames import Entry, Frame, counter_name
 from nanwatch.core.report import Report
 from nanwatch.core.stats.limits import Limits, dtype_name, limits_of, round_up, target_limits
 from nanwatch.core.stats.measure import Measurement
 from nanwatch.core.stats.underflow import EXCESS_INDEX, UNDERFLOW
 
-__all__ = ["Finding", "FindingKind", "HeadroomMonitor", "MAX_LINES", "WORSENING"]
+__all__ = ["HeadroomMonitor", "MAX_LINES"]
 
-# Lines shown per warning; the rest are counted. A long run warns about a tensor again only when it got 2x worse.
+# Lines shown per warning; the rest are counted.
 MAX_LINES = 10
-WORSENING = 2.0
-
-FindingKind = Literal["headroom", "target_headroom", "target_overflow", "underflow", "target_underflow"]
-_QUESTION: dict[str, str] = {
-    "headroom": "own max",
-    "target_headroom": "target max",
-    "target_overflow": "target max",
-    "underflow": "own underflow",
-    "target_underflow": "target underflow",
-}
-
-
-@dataclass(frozen=True)
-class Finding:
-    """One tensor that came close to a dtype's max, would not fit the target dtype, or underflowed.
-
-    Attributes:
-        kind: "headroom" (within the warn fraction of its own dtype's max), "target_headroom" (of the target's
-            max), "target_overflow" (past the target's max: it would be inf), "underflow" (too many of its values
-            are subnormal in its own dtype), "target_underflow" (too many would be subnormal in the target).
-        ratio: for headroom kinds, dtype max / abs max (the headroom, > 1); for "target_overflow", abs max /
-            target max (> 1); for underflow kinds, the fraction of values that underflow.
-    """
-
-    kind: FindingKind
-    batch_number: int
-    phase: str
-    module_name: str
-    class_name: str
-    label: str
-    dtype: str
-    abs_max: float
-    ratio: float
-    numel: int | None
-    count: int | None = None  # underflow kinds: how many values
-    flushed: int | None = None  # target_underflow: how many of them would round to zero
-    limit_dtype: str = ""  # the dtype whose limits were crossed
-
-    @property
-    def key(self) -> tuple[str, str, str, str]:
-        """One tensor and one question: near or past the target's max is one question, asked by two kinds."""
-        return (self.phase, self.module_name, self.label, _QUESTION[self.kind])
-
-    def line(self) -> str:
-        where = f"{self.module_name or '(top-level model)'} ({self.class_name}) {self.label}"
-        limits = limits_of(getattr(torch, self.limit_dtype))
-        assert limits is not None
-        if self.kind in ("headroom", "target_headroom"):
-            whose = "its" if self.kind == "headroom" else f"{self.limit_dtype}'s"
-            if self.ratio < 1:  # past the target's max, yet close enough to round down to it
-                return (
-                    f"{where}: {self.dtype} abs max {self.abs_max:.2e}, just past {whose} max {limits.max:.2e} "
-                    "(rounds to it)"
-                )
-            return (
-                f"{where}: {self.dtype} abs max {self.abs_max:.2e}, headroom {_times(self.ratio)}x "
-                f"({math.log2(self.ratio):.1f} bits) below {whose} max {limits.max:.2e}"
-            )
-        if self.kind == "target_overflow":
-            return (
-                f"{where}: {self.dtype} abs max {self.abs_max:.2e} would overflow {self.limit_dtype} "
-                f"({_times(self.ratio)}x over its max {limits.max:.2e})"
-            )
-        of = f"{self.ratio:.1%} of {self.numel} {self.dtype} values" if self.numel else f"{self.count} values"
-        if self.kind == "underflow":
-            return f"{where}: {of} are subnormal (nonzero, below {limits.smallest_normal:.2e})"
-        flushed = ""
-        if self.flushed and self.numel:
-            flushed = f", {self.flushed / self.numel:.1%} would flush to zero"
-        return (
-            f"{where}: {of} would be subnormal in {self.limit_dtype} (nonzero, below "
-            f"{limits.smallest_normal:.2e}){flushed}"
-        )
-
-    def worse_than(self, other: Finding) -> bool:
-        """True when this finding is at least `WORSENING` times worse than `other` (same tensor, same question)."""
-        return _badness(self) >= _badness(other) * WORSENING
 
 
 class HeadroomMonitor(Feature):
@@ -203,7 +121,7 @@ class HeadroomMonitor(Feature):
                 self._largest[device] = top if previous is None else torch.fmax(previous, top)
         if self.counts_underflow:
             counts: dict[torch.device, list[torch.Tensor]] = {}
-            for measurement in _unique_measurements(pending):
+            for measurement in unique_measurements(pending):
                 vector = (measurement.extra or {}).get(UNDERFLOW.name)
                 if vector is not None:
                     counts.setdefault(vector.device, []).append(vector)
@@ -222,9 +140,9 @@ class HeadroomMonitor(Feature):
                     where[id(measurement)] = (frame, entry)
         measurements = [entry.measurement for _, entry in where.values() if entry.measurement is not None]
         floats = [m for m in measurements if m.abs_max is not None and m.abs_max.is_floating_point()]
-        values = _read([m.abs_max for m in floats if m.abs_max is not None])
+        values = read_floats([m.abs_max for m in floats if m.abs_max is not None])
         counted = [m for m in measurements if (m.extra or {}).get(UNDERFLOW.name) is not None]
-        counts = _read_rows([m.extra[UNDERFLOW.name] for m in counted if m.extra is not None])
+        counts = read_counts([m.extra[UNDERFLOW.name] for m in counted if m.extra is not None])
         findings: list[Finding] = []
         for measurement, value in zip(floats, values, strict=True):
             frame, entry = where[id(measurement)]
@@ -335,7 +253,7 @@ class HeadroomMonitor(Feature):
     def worst(self, kind: FindingKind) -> list[Finding]:
         """The worst finding of each tensor for `kind`, worst first."""
         found = [f for f in self._worst.values() if f.kind == kind]
-        return sorted(found, key=_badness, reverse=True)
+        return sorted(found, key=badness, reverse=True)
 
     def largest_abs_max(self) -> float | None:
         """With a target dtype: the largest abs max of any tensor it applies to, over the run (one read)."""
@@ -345,55 +263,7 @@ class HeadroomMonitor(Feature):
 
     def summary(self) -> str | None:
         """What the run showed, in a few lines; None when there is nothing to say (no target, nothing found)."""
-        if self.target is None and not self._worst:
-            return None
-        settings = []
-        if self.warn_fraction is not None:
-            settings.append(f"headroom_warn_fraction={self.warn_fraction:g}")
-        if self.target is not None:
-            settings.append(f"target_dtype={self.target.name}")
-        if self.counts_underflow:
-            settings.append(f"underflow_warn_fraction={self.underflow_warn_fraction:g}")
-        on_rank = f" on rank {self.rank}" if self.world_size > 1 else ""
-        lines = [f"nanwatch headroom summary{on_rank} after {self.checks} checks ({', '.join(settings)}):"]
-        names = {
-            "target_overflow": "would overflow {target}",
-            "target_headroom": "within the warn fraction of {target}'s max",
-            "headroom": "within the warn fraction of their own dtype's max",
-            "underflow": "too many subnormal values in their own dtype",
-            "target_underflow": "too many values that would be subnormal in {target}",
-        }
-        target_name = self.target.name if self.target is not None else ""
-        for kind, title in names.items():
-            found = self.worst(kind)  # type: ignore[arg-type]
-            if not found:
-                continue
-            tensors = "1 tensor" if len(found) == 1 else f"{len(found)} tensors"
-            worst = found[0]
-            counter = counter_name(worst.phase)
-            lines.append(
-                f"  {title.format(target=target_name)}: {tensors}; worst at {counter}={worst.batch_number}: "
-                f"{worst.line()}"
-            )
-        if self.target is not None:
-            largest = self.largest_abs_max()
-            if largest is not None and math.isfinite(largest) and largest > 0:
-                room = self.target.max / largest
-                verdict = f"headroom {_times(room)}x" if room >= 1 else f"{_times(1 / room)}x over"
-                lines.append(
-                    f"  largest abs max of any tensor judged against {self.target.name}: {largest:.2e} "
-                    f"({verdict} its max {self.target.max:.2e})"
-                )
-            if not any(f.kind == "target_overflow" for f in self._worst.values()):
-                lines.append(f"  no watched tensor would overflow {self.target.name}")
-            if not self.counts_underflow:
-                lines.append("  underflow not counted (set count_underflow=True to count values that would flush)")
-            elif not any(f.kind == "target_underflow" for f in self._worst.values()):
-                lines.append(
-                    f"  no tensor had more than {self.underflow_warn_fraction:.1%} of its values below "
-                    f"{self.target.name}'s smallest normal"
-                )
-        return "\n".join(lines)
+        return summary_text(self)
 
     def close(self, ctx: EngineContext | None = None) -> None:
         """Log the summary (once per run, again only if something new was found since)."""
@@ -409,51 +279,5 @@ class HeadroomMonitor(Feature):
             self.logger.log(logging.WARNING if self._worst else logging.INFO, text)
 
 
-def _times(ratio: float) -> str:
-    """A ratio for people: 3 significant digits, more when it is within 1% of 1 (65520 vs 65504: 1.0002)."""
-    return f"{ratio:.5g}" if abs(ratio - 1) < 0.01 else f"{ratio:.3g}"
-
-
-def _badness(finding: Finding) -> float:
-    # abs max / the dtype's max for the max questions (headroom kinds keep its inverse), the fraction for underflow.
-    return 1 / finding.ratio if finding.kind in ("headroom", "target_headroom") else finding.ratio
-
-
 def _worse(a: Finding, b: Finding) -> bool:
-    return _badness(a) > _badness(b)
-
-
-def _unique_measurements(frames: Sequence[Frame]) -> Iterable[Measurement]:
-    """Each measured tensor once (an output is usually the next module's input: one measurement, two lines)."""
-    seen: set[int] = set()
-    for frame in frames:
-        for entry in frame.entries:
-            measurement = entry.measurement
-            if measurement is None or measurement.abs_max is None or id(measurement) in seen:
-                continue
-            seen.add(id(measurement))
-            yield measurement
-
-
-def _read(tensors: Sequence[torch.Tensor]) -> list[float]:
-    """Read 0-d tensors back as Python floats: one transfer per (device, dtype) group."""
-    out: list[float] = [0.0] * len(tensors)
-    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-    for index, tensor in enumerate(tensors):
-        groups.setdefault((tensor.device, tensor.dtype), []).append(index)
-    for indices in groups.values():
-        for index, value in zip(indices, torch.stack([tensors[i] for i in indices]).tolist(), strict=True):
-            out[index] = float(value)
-    return out
-
-
-def _read_rows(vectors: Sequence[torch.Tensor]) -> list[list[int]]:
-    """Read int64 count vectors back: one transfer per device."""
-    out: list[list[int]] = [[] for _ in vectors]
-    groups: dict[torch.device, list[int]] = {}
-    for index, vector in enumerate(vectors):
-        groups.setdefault(vector.device, []).append(index)
-    for indices in groups.values():
-        for index, row in zip(indices, torch.stack([vectors[i] for i in indices]).tolist(), strict=True):
-            out[index] = [int(v) for v in row]
-    return out
+    return badness(a) > badness(b)

@@ -1,0 +1,232 @@
+"""The sentinel feature itself: root hooks that keep each training micro-batch and look at the model's output, the
+check of what they saw, and the decision to replay (or to say why not).
+
+What sentinel mode is: the package's docstring (core/features/sentinel/__init__.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from nanwatch.core.events import EngineContext, Feature, OptimizerStage, Phase
+from nanwatch.core.features.sentinel.kept import MAX_WINDOW, Call, MicroBatch, refuse_what_the_forward_consumes
+from nanwatch.core.features.sentinel.outputs import Seen, float_leaves, holds_non_finite, look_at, unreadable
+from nanwatch.core.features.sentinel.replay import not_reproduced, reproduced, run_again
+from nanwatch.core.frames import Frame, Role
+from nanwatch.core.hooks import reshards_after_forward
+from nanwatch.core.log import warn
+from nanwatch.core.report import Report, ReportSection
+from nanwatch.core.runstate import autocast_state, capture_rng_states
+
+__all__ = ["SentinelFeature"]
+
+
+class SentinelFeature(Feature):
+    name = "sentinel"
+    detects = True
+
+    def __init__(self) -> None:
+        self._ctx: EngineContext | None = None
+        self._active = False
+        self._depth = 0  # forward calls open among the hooked modules: only the outermost one is kept
+        self._window: list[MicroBatch] = []
+        self._seen: list[Seen] = []
+        self._screened: list[Seen] = []
+        self._buffers: list[tuple[str, torch.Tensor]] = []
+        self._sharded = False  # FSDP: a forward on one rank alone would run collectives no other rank runs
+        self._changing: set[str] | None = None  # the buffers a forward changes, once one micro-batch showed which
+        self._as_first_began: dict[str, torch.Tensor] | None = None  # the buffers before the first micro-batch
+        self._saidunreadable = False  # an output with no floating-point tensor in it was warned about
+
+    def attach(self, ctx: EngineContext, modules: Sequence[tuple[str, torch.nn.Module]]) -> None:
+        self._ctx = ctx
+        self._active = True
+        self._buffers = list(ctx.model.named_buffers())
+        self._sharded = any(_shards_parameters(module) for module in ctx.model.modules())
+        if ctx.entry is not ctx.model:  # a wrapper (DDP, torch.compile): hooked outside it, replayed on the model
+            hooked = [(ctx.entry, ctx.model)]
+        elif any(module is ctx.model for _, module in modules):  # the model the loop calls
+            hooked = [(ctx.model, ctx.model)]
+        else:  # a root left out of the watch (a LightningModule): its training_step calls its children, or its own
+            # forward, which calls them; each outermost call among them is kept, and replayed on its own
+            hooked = [(child, child) for child in ctx.model.children()]
+        for module, runner in hooked:
+            ctx.hooks.add_handle(module.register_forward_pre_hook(self._before(runner), with_kwargs=True))
+            ctx.hooks.add_handle(module.register_forward_hook(self._after, always_call=True))
+
+    def detach(self, ctx: EngineContext) -> None:
+        self._active = False
+
+    def held_bytes(self) -> int:
+        """Memory this feature keeps alive that the run would otherwise free: the copies of changing buffers and the
+        gradients w.r.t. the model's output, over the window (inputs are references to the caller's tensors)."""
+        total = 0
+        for micro in self._window:
+            own = {name: buffer for name, buffer in self._buffers}
+            total += sum(copy.nbytes for name, copy in micro.buffers.items() if copy is not own.get(name))
+            total += sum(grad.nbytes for call in micro.calls for grad in call.output_grads.values())
+        return total
+
+    def close(self, ctx: EngineContext) -> None:
+        self._window, self._seen, self._screened, self._buffers = [], [], [], []
+        self._as_first_began = None
+
+    # --------------------------------------------------------------------------------------------- keeping
+
+    def _before(self, runner: torch.nn.Module) -> Any:
+        def hook(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            self._depth += 1
+            ctx = self._ctx
+            if self._depth > 1 or ctx is None or not self._active or not module.training or not ctx.recording:
+                return
+            try:
+                refuse_what_the_forward_consumes(args, kwargs)
+            except TypeError:
+                self._depth -= 1  # this forward never runs
+                raise
+            micro = self._micro_batch(ctx.batch_number)
+            micro.calls.append(
+                Call(runner, tuple(args), dict(kwargs), capture_rng_states(), autocast_state(), torch.is_grad_enabled())
+            )
+
+        return hook
+
+    def _micro_batch(self, batch_number: int) -> MicroBatch:
+        if self._window and self._window[-1].batch_number == batch_number:
+            return self._window[-1]
+        if self._changing is None and self._as_first_began is not None:
+            # One micro-batch has run: the buffers it changed are copied from now on, the others only referenced.
+            first, self._as_first_began = self._as_first_began, None
+            self._changing = {name for name, buffer in self._buffers if not torch.equal(buffer, first[name])}
+        changing = self._changing
+        with torch.no_grad():  # copies of the buffers a forward changes (BatchNorm's running stats), references else
+            buffers = {
+                name: buffer.detach().clone() if changing is None or name in changing else buffer
+                for name, buffer in self._buffers
+            }
+        if changing is None:
+            self._as_first_began = buffers
+        self._window.append(MicroBatch(batch_number, buffers))
+        del self._window[:-MAX_WINDOW]
+        return self._window[-1]
+
+    def _after(self, module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        self._depth = max(0, self._depth - 1)
+        ctx = self._ctx
+        if self._depth or ctx is None or not self._active or not ctx.recording:
+            return
+        training = module.training
+        call = self._window[-1].calls[-1] if training and self._window and self._window[-1].calls else None
+        batch = ctx.batch_number if training else ctx.current_batch
+        leaves = list(float_leaves(output))
+        # An always-called hook also runs when the forward raised (with output None): that is no unreadable output,
+        # and the user's own exception is what they must see.
+        forward_raised = output is None and sys.exc_info()[1] is not None
+        if not leaves and not forward_raised and not self._saidunreadable:
+            self._saidunreadable = True
+            warn(unreadable(module, output, guarded=ctx.guarded))
+        for label, leaf in leaves:
+            if leaf.numel():  # an empty output holds no inf/nan (and has no min)
+                self._seen.append(look_at(leaf.detach(), f"{label} of the model", batch, training))
+            if call is not None and leaf.requires_grad:
+                leaf.register_hook(self._keep_gradient(call, label))  # type: ignore[no-untyped-call]
+
+    def _keep_gradient(self, call: Call, label: str) -> Any:
+        def hook(grad: torch.Tensor) -> None:
+            if self._active:
+                call.output_grads[label] = grad  # read only on a replay
+
+        return hook
+
+    def on_optimizer_step(
+        self, ctx: EngineContext, stage: OptimizerStage, optimizer: torch.optim.Optimizer | None
+    ) -> None:
+        if stage == "after":  # the window's gradients were applied: a new one begins
+            self._window = []
+
+    def on_batch_end(self, ctx: EngineContext, phase: Phase, batch_number: int) -> None:
+        self._screened = []  # checked: the evaluation outputs kept for it go
+        # With no optimizer guarded, no step will look at this micro-batch's gradients again: it is done with.
+        if phase == "train" and not ctx.guarded:
+            self._window = []
+
+    # ------------------------------------------------------------------------------------------- checking
+
+    def screen(
+        self, ctx: EngineContext, pending: Sequence[Frame], maxima: Mapping[tuple[Any, Any], torch.Tensor]
+    ) -> list[torch.Tensor]:
+        seen, self._seen = self._seen, []
+        self._screened = seen
+        groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+        for item in seen:
+            groups.setdefault((item.values[0].device, item.values[0].dtype), []).extend(item.values)
+        return [torch.isfinite(torch.stack(values)).all() for values in groups.values()]
+
+    def review(self, ctx: EngineContext, pending: Sequence[Frame]) -> Report | None:
+        screened, self._screened = self._screened, []
+        tripped = [item for item in screened if holds_non_finite(item)]
+        if not tripped:
+            return None
+        seen = list(dict.fromkeys(item.what for item in tripped))
+        first = tripped[0]  # the micro-batch it was seen in: the one to replay
+        line = f"the sentinel saw inf/nan in {', '.join(seen)}"
+        section = ReportSection("sentinel", 4, (line,), {"seen": seen}, first.batch_number)
+        report = ctx.detection_report(section, "")
+        return dataclasses.replace(report, batch_number=first.batch_number, phase=first.phase)
+
+    # -------------------------------------------------------------------------------------------- replay
+
+    def judge(self, ctx: EngineContext, report: Report, checked: Sequence[Frame]) -> Report | None:
+        if not self._active or report.section("replay") is not None:
+            return report
+        if report.phase != "train":
+            note = "an evaluation forward is checked, not replayed (its inputs are not kept)"
+            return report.with_section(ReportSection("replay", 30, (note,), {"reproduced": None}))
+        seen = report.section("sentinel")
+        loss_first = any(
+            entry.role is Role.LOSS and entry.non_finite for frame in report.frames for entry in frame.entries
+        )
+        if loss_first and seen is None:  # the model's output was finite: there is nothing inside it to replay
+            note = "not replayed: the inf/nan first appeared in the loss, computed outside the model from its output"
+            return report.with_section(ReportSection("replay", 30, (note,), {"reproduced": None}))
+        if self._sharded:
+            note = (
+                "not replayed: the model's parameters are sharded (FSDP), and a forward on this rank alone would "
+                "gather them through collectives no other rank runs; run with mode='full' to see every module"
+            )
+            return report.with_section(ReportSection("replay", 30, (note,), {"reproduced": None}))
+        if seen is not None:  # seen at the output of a known micro-batch: that one is replayed
+            window = [micro for micro in self._window if micro.batch_number == seen.payload]
+        else:  # seen in the gradients the step would apply: any micro-batch of the window may have put it there
+            window = [micro for micro in self._window if micro.batch_number <= report.batch_number]
+        if not window:
+            note = "no micro-batch was kept to replay (watching began after its forward)"
+            return report.with_section(ReportSection("replay", 30, (note,), {"reproduced": None}))
+        # inf/nan in the model's output: its forward is where it began. Only in the gradients: the backward is
+        # replayed too, driven by the gradient w.r.t. the output kept from the first run, when that one was finite
+        # (a non-finite one came in from the loss, and running the model's backward from it would prove nothing).
+        backward = seen is None and report.section("gradients") is not None
+        try:
+            for micro in window:
+                found = ctx.rerun(
+                    lambda micro=micro: run_again(ctx, micro, backward=backward),  # type: ignore[misc]
+                    batch_number=micro.batch_number,
+                    phase="train",
+                    gradients=backward,
+                )
+                if found is not None:
+                    return reproduced(found, report, micro, backward=backward)
+        except Exception as error:  # the replay's own failure never replaces the detection
+            line = f"the replay of this micro-batch failed: {error!r}; the detection above is what the sentinel saw"
+            return report.with_section(ReportSection("replay", 30, (line,), {"reproduced": None, "error": repr(error)}))
+        return not_reproduced(report, window, ctx.world_size)
+
+
+def _shards_parameters(module: torch.nn.Module) -> bool:
+    # FSDP2 (`fully_shard`) and FSDP1 wrappers; nanwatch imports neither (core/hooks.py checks FSDP2 the same way).
+    return reshards_after_forward(module) or type(module).__name__ == "FullyShardedDataParallel"

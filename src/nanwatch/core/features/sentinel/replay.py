@@ -1,0 +1,107 @@
+"""Sentinel mode's replay: a kept micro-batch run again as it first ran, and what the report says of the result.
+
+Apart from the feature because it runs only after a detection, on the slow path: it restores the buffers and the
+generators, drives the backward from the kept gradients when the nan was only in them, and puts everything back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_map_only
+
+from nanwatch.core.events import EngineContext
+from nanwatch.core.features.sentinel.kept import MicroBatch
+from nanwatch.core.features.sentinel.outputs import float_leaves
+from nanwatch.core.report import Report, ReportSection
+from nanwatch.core.runstate import autocast_as, capture_rng_states, restore_rng_states
+
+__all__ = ["not_reproduced", "reproduced", "run_again"]
+
+
+def run_again(ctx: EngineContext, micro: MicroBatch, *, backward: bool) -> None:
+    """The micro-batch's calls (and backward) as they first ran; the buffers and generators end as they were."""
+    buffers = dict(ctx.model.named_buffers())
+    with torch.no_grad():
+        now = {name: buffer.detach().clone() for name, buffer in buffers.items()}
+    callers_rng = capture_rng_states()
+    pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+    try:
+        with torch.no_grad():
+            for name, saved in micro.buffers.items():
+                if name in buffers and buffers[name] is not saved:
+                    buffers[name].copy_(saved)
+        for call in micro.calls:
+            restore_rng_states(call.rng)
+            # Inputs cut from the first run's graph (freed by its backward): each call's backward is driven by
+            # the gradient kept for its own output, and stops at its inputs.
+            args, kwargs = _detached((call.args, call.kwargs))
+            with torch.set_grad_enabled(call.grad_enabled and backward), autocast_as(call.autocast):
+                output = call.module(*args, **kwargs)
+            if backward:
+                pairs += [
+                    (leaf, call.output_grads[label])
+                    for label, leaf in float_leaves(output)
+                    if label in call.output_grads
+                    and leaf.requires_grad
+                    and bool(torch.isfinite(call.output_grads[label]).all())  # the slow path: reads allowed
+                ]
+        params = [param for param in ctx.model.parameters() if param.requires_grad]
+        if pairs and params:  # into no `.grad`: the gradients the step would apply stay as they are
+            torch.autograd.grad(
+                [leaf for leaf, _ in pairs], params, grad_outputs=[grad for _, grad in pairs], allow_unused=True
+            )
+    finally:
+        with torch.no_grad():
+            for name, value in now.items():
+                buffers[name].copy_(value)
+        restore_rng_states(callers_rng)
+
+
+def _detached(value: Any) -> Any:
+    def cut(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.detach().requires_grad_(tensor.requires_grad) if tensor.is_floating_point() else tensor
+
+    return tree_map_only(torch.Tensor, cut, value)
+
+
+def reproduced(found: Report, original: Report, micro: MicroBatch, *, backward: bool) -> Report:
+    """The replay's own report (`found`), with how it was replayed and what the sentinel first saw."""
+    line = (
+        f"reproduced by replaying micro-batch {micro.batch_number} with every module watched (the same inputs, "
+        "random generator states, autocast state and buffers; the same weights, since the step never ran)"
+    )
+    if backward:
+        line += (
+            "; its backward was driven by the gradient w.r.t. the model's output kept from the first run, through "
+            "torch.autograd.grad, so the parameters' .grad lines are not recorded (the gradients above list them)"
+        )
+    report = found.with_section(ReportSection("replay", 30, (line,), {"reproduced": True}))
+    for key in ("sentinel", "gradients"):
+        section = original.section(key)
+        if section is not None:
+            report = report.with_section(section)
+    return report
+
+
+def not_reproduced(report: Report, window: Sequence[MicroBatch], world_size: int) -> Report:
+    """The detection's report, saying that replaying `window` gave finite numbers, and where to look instead."""
+    batches = ", ".join(str(micro.batch_number) for micro in window)
+    line = (
+        f"not reproduced: replaying micro-batch{'es' if len(window) > 1 else ''} {batches} with the same inputs, "
+        "weights, random generator states, autocast state and buffers gave finite numbers. The same computation "
+        "gave different numbers: look for a non-deterministic kernel (run with "
+        "torch.use_deterministic_algorithms(True)), a race (another stream or thread writing these tensors), or a "
+        "hardware fault (the same device failing again)."
+    )
+    if report.section("sentinel") is not None:  # seen at the model's output: no module's frame holds it
+        report = dataclasses.replace(report, module_name=None)
+    elif world_size > 1:  # seen only in the gradients, which the all-reduce averaged over every rank's micro-batch
+        line += (
+            " With several ranks, the gradients are averaged over all of them: the nan may have come from another "
+            "rank's micro-batch (run with mode='full' and watch_gradients=True to see where)."
+        )
+    return report.with_section(ReportSection("replay", 30, (line,), {"reproduced": False}))
