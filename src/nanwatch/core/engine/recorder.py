@@ -23,6 +23,7 @@ from nanwatch.core.compiler import (
 )
 from nanwatch.core.engine.counters import Counters
 from nanwatch.core.frames import Direction, Entry, Frame, Role
+from nanwatch.core.stats.cache import StatsCache, TrackedBatch
 from nanwatch.core.stats.compiled import (
     Sink,
     frame_key,
@@ -32,7 +33,6 @@ from nanwatch.core.stats.compiled import (
     record_call,
     record_marker,
 )
-from nanwatch.core.stats.measure import StatsCache, TrackedBatch
 from nanwatch.core.walk import (
     INPUT,
     KEYWORD_PLAIN,
