@@ -61,10 +61,12 @@ from nanwatch.adapters._common import guard_optimizers
 from nanwatch.cli.options import add_config_arguments, config_from_args
 from nanwatch.core.features.sentinel import SentinelFeature
 from nanwatch.core.log import get_logger
+from nanwatch.core.stats import cache as caching
 from nanwatch.core.stats import measure as measuring
 from nanwatch.core.watcher import Watcher
 
-# The lead statistic's kernel, as measure() launches it; --floor swaps it around its own variant's steps.
+# The lead statistic's kernel, as measure() and the cache's fast path launch it (each module binds it); --floor swaps
+# it in both around its own variant's steps.
 SHIPPED_RANGE = measuring._RANGE
 
 # Targets of the design (issue 2, item 5): watch/none per mode, and watch's added time over the tool's added time.
@@ -483,7 +485,7 @@ class Bench:
         if variant.stash is not None:
             variant.stash.put_back()
         if variant.name == FLOOR:  # --floor: this variant's own kernel, swapped in around its steps only
-            measuring._RANGE = _read_only_range  # type: ignore[assignment]
+            measuring._RANGE = caching._RANGE = _read_only_range  # type: ignore[assignment]
         try:
             self._sync()
             if self.device.type == "cuda":
@@ -499,7 +501,7 @@ class Bench:
                 peak = torch.cuda.max_memory_allocated(self.device)
                 variant.peak_bytes[mode] = max(variant.peak_bytes.get(mode, 0), peak)
         finally:
-            measuring._RANGE = SHIPPED_RANGE  # type: ignore[assignment]
+            measuring._RANGE = caching._RANGE = SHIPPED_RANGE  # type: ignore[assignment]
             if variant.stash is not None:
                 variant.stash.take_off()
         variant.steps_taken[mode] += 1

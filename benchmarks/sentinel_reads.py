@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from overhead import build_model  # noqa: E402
 
-from nanwatch.core.stats.measure import MagnitudePlan  # noqa: E402
+from nanwatch.core.stats.stacking import MagnitudePlan  # noqa: E402
 
 
 def _median_ms(action: Callable[[], object], repeat: int) -> float:

@@ -22,7 +22,9 @@ from tests.models import Scale, small_mlp
 from torch import nn
 
 import nanwatch
+import nanwatch.core.stats.cache
 import nanwatch.core.stats.measure
+import nanwatch.core.stats.stacking
 from nanwatch import BatchLimitReached, NanwatchWarning, NonFiniteError, WatchHandle, watch
 from nanwatch.core.frames import ResolvedFrame, resolve
 from nanwatch.core.walk import MAX_DEPTH, MAX_LEAVES
@@ -708,7 +710,10 @@ def test_an_internal_failure_disables_watching_and_training_continues(monkeypatc
         optimizer.step()
         optimizer.zero_grad()
         handle.step()
-        monkeypatch.setattr(nanwatch.core.stats.measure, "measure", broken)
+        # Every module that calls measure(): the cache (activations, losses, untracked parameters) and the stacks
+        # (the tracked parameters measured one by one).
+        for module in (nanwatch.core.stats.cache, nanwatch.core.stats.stacking):
+            monkeypatch.setattr(module, "measure", broken)
         with pytest.warns(NanwatchWarning, match="stopped watching.*simulated bookkeeping bug"):
             model(x).sum().backward()
         for _ in range(3):  # the run goes on: steps, optimizer steps, counters

@@ -14,7 +14,8 @@ from tests.trace_models import run_amp_net, trace_path
 import nanwatch
 from nanwatch.cli import main
 from nanwatch.cli.diff import compare, diff_text, divergence
-from nanwatch.core.formats.jsonl import Block, LineRecord, read_blocks
+from nanwatch.core.formats.jsonl_reader import Block, read_blocks
+from nanwatch.core.formats.jsonl_schema import LineRecord
 from nanwatch.core.stats import registry
 from nanwatch.core.stats.base import Column, Statistic, Values
 

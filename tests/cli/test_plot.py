@@ -31,7 +31,7 @@ from nanwatch.cli.plot import (
 )
 from nanwatch.cli.plot_lines import draw_lines
 from nanwatch.cli.show import restrict
-from nanwatch.core.formats.jsonl import read_blocks
+from nanwatch.core.formats.jsonl_reader import read_blocks
 
 image = pytest.importorskip("matplotlib.image")
 

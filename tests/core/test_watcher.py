@@ -17,7 +17,9 @@ import nanwatch.core.engine.recorder
 import nanwatch.core.features.headroom
 import nanwatch.core.report
 import nanwatch.core.scope
+import nanwatch.core.stats.cache
 import nanwatch.core.stats.measure
+import nanwatch.core.stats.stacking
 from nanwatch import BatchLimitReached, ConfigError, NanwatchWarning, NonFiniteError, WatchConfig
 from nanwatch.core.frames import ResolvedFrame, resolve
 from nanwatch.core.watcher import Watcher
@@ -444,7 +446,10 @@ def test_a_failure_in_measuring_disables_watching_and_the_run_goes_on(monkeypatc
     def broken(tensor: torch.Tensor, kernels: object = ()) -> nanwatch.core.stats.measure.Measurement:
         raise RuntimeError("simulated bookkeeping bug")
 
-    monkeypatch.setattr(nanwatch.core.stats.measure, "measure", broken)
+    # Every module that calls measure(): the cache (activations, losses, untracked parameters) and the stacks
+    # (the tracked parameters measured one by one).
+    for module in (nanwatch.core.stats.cache, nanwatch.core.stats.stacking):
+        monkeypatch.setattr(module, "measure", broken)
     with pytest.warns(NanwatchWarning, match="simulated bookkeeping bug"):
         output = model(x)
     assert torch.equal(output, expected)  # the user's forward ran and returned its own result

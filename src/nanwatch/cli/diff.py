@@ -33,10 +33,12 @@ from nanwatch.cli.inputs import read_jsonl_blocks
 from nanwatch.cli.options import ToolHelpFormatter, add_config_arguments, fields_epilog, tool_config
 from nanwatch.cli.show import chosen_modules, restrict
 from nanwatch.cli.validators import NON_NEGATIVE_FLOAT, NON_NEGATIVE_INT
-from nanwatch.core.formats.jsonl import Block, JsonlError, LineRecord, parse_source
+from nanwatch.core.formats.jsonl_reader import Block, parse_source
+from nanwatch.core.formats.jsonl_schema import LineRecord
 from nanwatch.core.report import trailing_text
 from nanwatch.core.stats import registry
 from nanwatch.core.stats.abs_range import relative_difference
+from nanwatch.errors import JsonlError
 
 __all__ = ["register", "Row", "DiffResult", "compare", "diff_text", "load_block", "run_diff", "USED_FIELDS"]
 

@@ -21,7 +21,7 @@ from enum import Enum
 from pathlib import Path
 
 from nanwatch.cli.usage import CliError
-from nanwatch.core.formats.jsonl import Block, parse_source, read_blocks
+from nanwatch.core.formats.jsonl_reader import Block, parse_source, read_blocks
 
 __all__ = ["Kind", "Sniffed", "sniff", "read_jsonl_blocks", "check_whole"]
 

@@ -69,7 +69,7 @@ from nanwatch.cli.options import ToolHelpFormatter, add_config_arguments, fields
 from nanwatch.cli.show import chosen_modules, restrict
 from nanwatch.cli.usage import CliError
 from nanwatch.cli.validators import ABS_MAX, POSITIVE_INT
-from nanwatch.core.formats.jsonl import Block
+from nanwatch.core.formats.jsonl_reader import Block
 from nanwatch.core.frames import Direction
 from nanwatch.errors import PlotError
 

@@ -17,7 +17,7 @@ from typing import Any
 from nanwatch.cli import COMMANDS
 from nanwatch.cli.inputs import read_jsonl_blocks
 from nanwatch.cli.options import ToolHelpFormatter, add_config_arguments, fields_epilog, tool_config
-from nanwatch.core.formats.jsonl import Block
+from nanwatch.core.formats.jsonl_reader import Block
 from nanwatch.core.scope import select_names
 
 __all__ = ["register", "render", "chosen_modules", "restrict", "USED_FIELDS"]

@@ -17,7 +17,8 @@ if TYPE_CHECKING:
     from nanwatch.core.frames import Direction, Entry, Frame, FrameRing, ResolvedEntry, ResolvedFrame, Role
     from nanwatch.core.ranks import Detection, DetectionBoard, world_size_and_rank
     from nanwatch.core.report import Report
-    from nanwatch.core.stats.measure import Measurement, StatsCache, measure
+    from nanwatch.core.stats.cache import StatsCache
+    from nanwatch.core.stats.measure import Measurement, measure
     from nanwatch.core.watcher import Watcher
     from nanwatch.errors import ConfigError
 
@@ -62,7 +63,7 @@ _HOMES = {
     "world_size_and_rank": "nanwatch.core.ranks",
     "Report": "nanwatch.core.report",
     "Measurement": "nanwatch.core.stats.measure",
-    "StatsCache": "nanwatch.core.stats.measure",
+    "StatsCache": "nanwatch.core.stats.cache",
     "measure": "nanwatch.core.stats.measure",
     "Watcher": "nanwatch.core.watcher",
 }

@@ -187,7 +187,7 @@ def shown_class(class_name: str, direction: Direction) -> str:
 def resolve(frames: Sequence[Frame]) -> list[ResolvedFrame]:
     """Read every number in `frames` back to the host, a handful of transfers in all rather than one per tensor."""
     # torch only here: the reading side of the package is imported by tools that never load it.
-    from nanwatch.core.stats.measure import read_back
+    from nanwatch.core.stats.readback import read_back
     from nanwatch.core.stats.registry import extras
 
     numbers = read_back(entry.measurement for frame in frames for entry in frame.entries if entry.measurement)

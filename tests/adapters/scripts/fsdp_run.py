@@ -27,7 +27,8 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 
 import nanwatch
 from nanwatch.core.frames import Direction, Role, resolve
-from nanwatch.core.stats.measure import holds_non_finite, measure
+from nanwatch.core.stats.measure import measure
+from nanwatch.core.stats.readback import holds_non_finite
 
 ACCUMULATION = 2
 

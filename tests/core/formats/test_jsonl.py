@@ -1,5 +1,6 @@
-"""core/formats/jsonl.py: every report and trace line as a JSON record (schema 2, derived from the statistics
-registry), read back to exactly the text nanwatch wrote; version 1 files still read."""
+"""core/formats/jsonl_schema.py, jsonl_writer.py, jsonl_reader.py: every report and trace line as a JSON record
+(schema 2, derived from the statistics registry), read back to exactly the text nanwatch wrote; version 1 files still
+read."""
 
 from __future__ import annotations
 
@@ -14,20 +15,14 @@ from torch import nn
 
 import nanwatch
 from nanwatch.core.config import WatchConfig
-from nanwatch.core.formats.jsonl import (
-    SCHEMA_VERSION,
-    JsonlError,
-    LineRecord,
-    dumps,
-    read_blocks,
-    read_records,
-    report_records,
-    split_blocks,
-)
+from nanwatch.core.formats.jsonl_reader import read_blocks, read_records, split_blocks
+from nanwatch.core.formats.jsonl_schema import SCHEMA_VERSION, LineRecord
+from nanwatch.core.formats.jsonl_writer import dumps, report_records
 from nanwatch.core.frames import Direction, ResolvedEntry, ResolvedFrame, Role
 from nanwatch.core.report import Report
 from nanwatch.core.stats.base import decode_number, encode_number
 from nanwatch.core.watcher import Watcher
+from nanwatch.errors import JsonlError
 
 REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:

@@ -1,5 +1,5 @@
-"""core/stats/measure.py: exact abs-min/abs-max for every dtype, a reason instead of a crash for odd tensors, the
-one-read inf/nan check, and a cache that never serves a stale measurement."""
+"""core/stats/measure.py, stacking.py, readback.py, cache.py: exact abs-min/abs-max for every dtype, a reason
+instead of a crash for odd tensors, the one-read inf/nan check, and a cache that never serves a stale measurement."""
 
 from __future__ import annotations
 
@@ -13,15 +13,11 @@ import torch
 
 from nanwatch.core.frames import Entry, Frame, Role, resolve
 from nanwatch.core.report import format_entry
+from nanwatch.core.stats.cache import StatsCache
 from nanwatch.core.stats.kernels import FLOAT8_DTYPES
-from nanwatch.core.stats.measure import (
-    MagnitudePlan,
-    Measurement,
-    StatsCache,
-    holds_non_finite,
-    measure,
-    read_flags,
-)
+from nanwatch.core.stats.measure import Measurement, measure
+from nanwatch.core.stats.readback import holds_non_finite, read_flags
+from nanwatch.core.stats.stacking import MagnitudePlan
 
 
 def find_non_finite(frames: list[Frame]) -> bool:

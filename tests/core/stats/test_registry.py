@@ -18,7 +18,7 @@ from torch import nn
 import nanwatch
 from nanwatch.cli import main
 from nanwatch.core.config import WatchConfig
-from nanwatch.core.formats.jsonl import read_records
+from nanwatch.core.formats.jsonl_reader import read_records
 from nanwatch.core.stats import Column, Statistic, registry
 from nanwatch.core.stats.base import Kernel, Values
 

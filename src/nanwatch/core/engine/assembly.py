@@ -15,7 +15,8 @@ from nanwatch.core.engine.recorder import Recorder
 from nanwatch.core.events import Feature
 from nanwatch.core.ranks import DetectionBoard
 from nanwatch.core.scope import BatchSchedule
-from nanwatch.core.stats.measure import StatsCache, extra_kernels
+from nanwatch.core.stats.cache import StatsCache
+from nanwatch.core.stats.measure import extra_kernels
 
 __all__ = ["Parts", "assemble"]
 

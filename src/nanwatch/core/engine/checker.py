@@ -1,7 +1,7 @@
 """The check: screen the pending frames with one host read, build a report when one holds inf/nan, keep the ring.
 
 A check reads the device once (every abs max stacked per device and dtype, and every feature's flags, in one
-transfer: core/stats/measure.py). Clean frames move into the ring, where they are the earlier frames of a later
+transfer: core/stats/readback.py). Clean frames move into the ring, where they are the earlier frames of a later
 report; a report ends at the first non-finite frame and goes back as far as `max_frames_to_save` allows.
 """
 
@@ -19,7 +19,8 @@ from nanwatch.core.events import EngineContext, Feature
 from nanwatch.core.frames import Frame, FrameRing, ResolvedFrame, resolve
 from nanwatch.core.gcpause import resume_collection
 from nanwatch.core.report import Report, ReportSection
-from nanwatch.core.stats.measure import StatsCache, read_flags, stack_maxima
+from nanwatch.core.stats.cache import StatsCache
+from nanwatch.core.stats.readback import read_flags, stack_maxima
 
 __all__ = ["Checker"]
 

@@ -20,7 +20,8 @@ from nanwatch.core.hooks import HookSet
 from nanwatch.core.readouts import Summary
 from nanwatch.core.report import Report, ReportSection
 from nanwatch.core.scope import BatchSchedule, rank_in
-from nanwatch.core.stats.measure import Measurement, StatsCache
+from nanwatch.core.stats.cache import StatsCache
+from nanwatch.core.stats.measure import Measurement
 
 __all__ = ["EngineView", "Facade", "Fixed"]
 

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 import torch
 
 from nanwatch.core.frames import Entry, Role
-from nanwatch.core.stats.measure import StatsCache, TrackedBatch
+from nanwatch.core.stats.cache import StatsCache, TrackedBatch
 
 __all__ = ["ParameterLines"]
 

@@ -26,6 +26,7 @@ from nanwatch.core.engine.parameter_lines import ParameterLines
 from nanwatch.core.frames import Direction, Entry, Frame, Role
 from nanwatch.core.hooks import HookSet, module_class_name, reshards_after_forward
 from nanwatch.core.log import warn
+from nanwatch.core.stats.cache import StatsCache
 from nanwatch.core.stats.compiled import (
     Sink,
     frame_key,
@@ -35,7 +36,6 @@ from nanwatch.core.stats.compiled import (
     record_call,
     record_marker,
 )
-from nanwatch.core.stats.measure import StatsCache
 from nanwatch.core.walk import (
     INPUT,
     KEYWORD_PLAIN,

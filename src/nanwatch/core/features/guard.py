@@ -25,8 +25,8 @@ from nanwatch.core.frames import Frame
 from nanwatch.core.hooks import clean_name
 from nanwatch.core.optimizers import gradients_to_apply, skips_this_step
 from nanwatch.core.report import Report, ReportSection
-from nanwatch.core.stats.measure import MagnitudePlan
 from nanwatch.core.stats.sharded import local_shard
+from nanwatch.core.stats.stacking import MagnitudePlan
 
 __all__ = ["GradientGuard", "MAX_NAMED", "backward_note"]
 

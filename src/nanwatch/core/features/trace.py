@@ -19,7 +19,7 @@ import torch
 
 from nanwatch.core.events import EngineContext, Feature, Phase
 from nanwatch.core.formats.files import append_trace, append_trace_records, trace_paths
-from nanwatch.core.formats.jsonl import trace_records
+from nanwatch.core.formats.jsonl_writer import trace_records
 from nanwatch.core.frames import Frame, ResolvedEntry, ResolvedFrame, counter_name, resolve
 from nanwatch.core.log import warn
 from nanwatch.core.report import TABLE_HEADER, format_batch_start, format_frame

@@ -6,7 +6,8 @@ import contextlib
 import os
 from pathlib import Path
 
-from nanwatch.core.formats.jsonl import LineRecord, dumps, report_records
+from nanwatch.core.formats.jsonl_schema import LineRecord
+from nanwatch.core.formats.jsonl_writer import dumps, report_records
 from nanwatch.core.report import Report
 from nanwatch.errors import ConfigError
 
@@ -57,7 +58,7 @@ def report_stem(rank: int, batch_number: int, phase: str) -> str:
 
 
 def write_report(report_dir: Path, report: Report) -> tuple[Path, Path, Path]:
-    """Write `report` as text, JSON and JSON Lines (see `core/formats/jsonl.py`); return the three paths."""
+    """Write `report` as text, JSON and JSON Lines (see `core/formats/jsonl_schema.py`); return the three paths."""
     report_dir.mkdir(parents=True, exist_ok=True)
     stem = report_stem(report.rank, report.batch_number, report.phase)
     text_path = report_dir / f"{stem}.txt"

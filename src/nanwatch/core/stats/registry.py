@@ -14,7 +14,7 @@ from nanwatch.core.stats.underflow import UNDERFLOW
 
 __all__ = ["RESERVED_COLUMNS", "lead", "extras", "statistics", "register", "unregister"]
 
-# The fixed fields of a JSON Lines record and of a JSON report entry (core/formats/jsonl.py, core/report.py): a
+# The fixed fields of a JSON Lines record and of a JSON report entry (core/formats/jsonl_schema.py, core/report.py): a
 # statistic's columns may not take these names.
 RESERVED_COLUMNS = frozenset(
     {
