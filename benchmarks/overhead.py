@@ -56,7 +56,7 @@ from typing import Any
 import torch
 
 import nanwatch
-from nanwatch.adapters import plain as plain_adapter
+from nanwatch.adapters import _handles
 from nanwatch.adapters._common import guard_optimizers
 from nanwatch.cli.options import add_config_arguments, config_from_args
 from nanwatch.core.features.sentinel import SentinelFeature
@@ -395,8 +395,8 @@ class Variant:
         self.stash.take_off()
         if isinstance(self.handle, nanwatch.WatchHandle):
             # Several handles share this one model on purpose, each with its hooks on only around its own steps:
-            # the next watch() must not close this one as a handle left behind (adapters/plain.py).
-            plain_adapter._LIVE.discard(self.handle)
+            # the next watch() must not close this one as a handle left behind (adapters/_handles.py).
+            _handles.let_go(self.handle)
 
     def close(self) -> None:
         # nanwatch removes its own hooks (put back first, so its handles find them); transformers' tool cannot

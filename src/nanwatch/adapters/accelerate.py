@@ -18,19 +18,14 @@ import torch
 from nanwatch.adapters import _common
 from nanwatch.core.config import resolve_config
 from nanwatch.core.contract import AdapterContract
-from nanwatch.core.readouts import Summary, scaler_of
 from nanwatch.core.watcher import Watcher
 
 _IMPORT_ERROR: ImportError | None = None
 if TYPE_CHECKING:
     from accelerate import Accelerator
     from accelerate.tracking import GeneralTracker
-else:
-    try:
-        from accelerate.tracking import GeneralTracker
-    except ImportError as error:  # the class must still exist, so that constructing it can say what is missing
-        GeneralTracker = object
-        _IMPORT_ERROR = error
+else:  # the class must still exist without accelerate, so that constructing it can say what is missing
+    GeneralTracker, _IMPORT_ERROR = _common.optional_base("accelerate.tracking", "GeneralTracker")
 
 __all__ = ["OverflowTracker"]
 
@@ -58,9 +53,7 @@ class OverflowTracker(_common.UserHandle, GeneralTracker):  # type: ignore[misc]
         super().__init__()
         self.config = resolve_config(config, **overrides)
         self.watcher: AdapterContract | None = None
-        self._accelerator: Accelerator | None = None
         self._batch_open = False
-        self._user_epoch: int | None = None
         self._pending_state: dict[str, Any] | None = None
 
     @property
@@ -93,10 +86,8 @@ class OverflowTracker(_common.UserHandle, GeneralTracker):  # type: ignore[misc]
         """
         if self.watcher is not None and self.watcher.attached:
             raise RuntimeError("nanwatch: OverflowTracker is already attached; call detach() first")
-        self._accelerator = accelerator
-        root = accelerator.unwrap_model(
-            _common.check_model(model, "OverflowTracker.attach()"), keep_torch_compile=False
-        )
+        checked = _common.check_model(model, "OverflowTracker.attach()")
+        root = accelerator.unwrap_model(checked, keep_torch_compile=False)
         watcher: AdapterContract = Watcher(
             root,
             self.config,
@@ -107,22 +98,17 @@ class OverflowTracker(_common.UserHandle, GeneralTracker):  # type: ignore[misc]
         if self._pending_state is not None:
             watcher.load_state_dict(self._pending_state)
             self._pending_state = None
-        if self._user_epoch is not None:
-            watcher.set_counters(epoch=self._user_epoch)
-        # Trackers log on the main process only: the other ranks never read the summary back.
-        watcher.summary_sink = self._send_summary if accelerator.is_main_process else None
-        if optimizers is None:
-            optimizers = list(getattr(accelerator, "_optimizers", []))
-        elif isinstance(optimizers, torch.optim.Optimizer):
-            optimizers = [optimizers]
+        if self._epoch_said is not None:
+            watcher.set_counters(epoch=self._epoch_said)
+        watcher.summary_sink = _common.to_trackers(accelerator, watcher, self) if accelerator.is_main_process else None
         # First of the root's pre-hooks: the previous micro-batch ends (and may be reported, with its replay copy)
         # before anything starts recording the new one. An optimizer that steps the model but is not among these
         # (none was prepared, say) is said once.
         _common.watch_root(
             watcher,
             root,
-            self._before_root_forward,
-            optimizers=optimizers,
+            lambda module, args: self._before_root_forward(accelerator, module),
+            optimizers=_common.optimizer_list(optimizers, default=getattr(accelerator, "_optimizers", [])),
             models=(model, root),
             fix="Prepare the optimizer (accelerator.prepare) before tracker.attach(), or pass it: "
             "tracker.attach(accelerator, model, optimizers=optimizer).",
@@ -131,9 +117,8 @@ class OverflowTracker(_common.UserHandle, GeneralTracker):  # type: ignore[misc]
         # The loss handed to `accelerator.backward(loss)` (often `F.mse_loss(...)`, outside every module): read in
         # the check before the step.
         _common.watch_loss_of(watcher, accelerator, "backward")
-        scaler = scaler_of(accelerator)  # None unless fp16 runs on a device Accelerate builds a GradScaler for
-        if scaler is not None:
-            watcher.watch_scaler(scaler)  # its first reading, at the counters just set
+        # None unless fp16 runs on a device Accelerate builds a GradScaler for; its first reading at the counters set.
+        _common.follow_scaler(watcher, accelerator)
         self.watcher = watcher
         self._batch_open = False
         return self
@@ -143,19 +128,10 @@ class OverflowTracker(_common.UserHandle, GeneralTracker):  # type: ignore[misc]
         if self.watcher is not None and self.watcher.attached:
             self.watcher.close()
 
-    def __enter__(self) -> OverflowTracker:
-        return self
-
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None
     ) -> None:
         self.detach()
-
-    def set_epoch(self, epoch: int) -> None:
-        """Say which epoch runs now (replaces the epoch read from the prepared dataloader)."""
-        self._user_epoch = epoch
-        if self.watcher is not None:
-            self.watcher.set_counters(epoch=epoch)
 
     def state_dict(self) -> dict[str, Any]:
         """The counters, so `accelerator.register_for_checkpointing(tracker)` keeps them across a resume."""
@@ -175,31 +151,19 @@ class OverflowTracker(_common.UserHandle, GeneralTracker):  # type: ignore[misc]
             self.watcher.load_state_dict(state)
         self._batch_open = False
 
-    def _before_root_forward(self, module: torch.nn.Module, args: tuple[Any, ...]) -> None:
+    def _before_root_forward(self, accelerator: Accelerator, module: torch.nn.Module) -> None:
         watcher = self.watcher
         if watcher is None:
             return
         if not module.training:
             watcher.start_batch("eval")  # one forward, checked as it returns; the training micro-batch stays open
             return
-        epoch = self._user_epoch
-        if epoch is None and self._accelerator is not None:
-            iteration = getattr(self._accelerator.gradient_state.active_dataloader, "iteration", None)
-            epoch = iteration if isinstance(iteration, int) else watcher.epoch
+        epoch = self._epoch_said
+        if epoch is None:
+            epoch = _common.dataloader_epoch(accelerator, otherwise=watcher.epoch)
         watcher.set_phase("train")  # back from any evaluation, in the open micro-batch, which ends now
         if self._batch_open:
             _common.stop_on_error(watcher, watcher.end_batch)
         self._batch_open = True
         # Raises when another rank stopped: our hooks go with the error, as with end_batch's.
         _common.stop_on_error(watcher, lambda: watcher.start_batch("train", epoch=epoch))
-
-    def _send_summary(self, summary: Summary) -> None:
-        # Main process only (no collective here). To the other trackers through `accelerator.log`, at the optimizer
-        # steps done so far (this tracker's own log() ignores it); to the "nanwatch" logger when there are none.
-        accelerator, watcher = self._accelerator, self.watcher
-        if accelerator is None or watcher is None or not any(t is not self for t in accelerator.trackers):
-            if watcher is not None:
-                watcher.logger.info(summary.to_text())
-            return
-        step = watcher.optimizer_step if watcher.optimizer_step is not None else watcher.batch_number
-        accelerator.log(summary.metrics(), step=step)

@@ -10,26 +10,22 @@ More: docs/frameworks.md.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from nanwatch.adapters import _common
 from nanwatch.core.config import resolve_config
 from nanwatch.core.contract import AdapterContract
-from nanwatch.core.readouts import LossScaleHistory, Summary, scaler_of
+from nanwatch.core.readouts import LossScaleHistory
 from nanwatch.core.watcher import Watcher
 
-try:
+_MISSING_TRANSFORMERS: ImportError | None = None
+if TYPE_CHECKING:
     from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
-except ImportError as error:  # constructing the callback reports it; importing this module alone must not fail
-    _MISSING_TRANSFORMERS: ImportError | None = error
-    TrainerCallback = object  # type: ignore[misc,assignment]
-    TrainerControl = TrainerState = TrainingArguments = Any  # type: ignore[misc,assignment]
-else:
-    _MISSING_TRANSFORMERS = None
+else:  # constructing the callback reports a missing transformers; importing this module alone must not fail
+    TrainerCallback, _MISSING_TRANSFORMERS = _common.optional_base("transformers", "TrainerCallback")
 
 __all__ = ["OverflowTrainerCallback"]
 
@@ -59,7 +55,7 @@ class OverflowTrainerCallback(TrainerCallback):  # type: ignore[misc,unused-igno
         _common.require(_MISSING_TRANSFORMERS, message + '"nanwatch[transformers]"')
         self.config = resolve_config(config, **overrides)
         self.watcher: AdapterContract | None = None
-        self._summary: dict[str, float] | None = None  # due, waiting for the Trainer's next log event
+        self._summary = _common.HeldForLog()  # due, waiting for the Trainer's next log event
         self.loss_scale: LossScaleHistory | None = None
 
     def on_train_begin(
@@ -75,13 +71,13 @@ class OverflowTrainerCallback(TrainerCallback):  # type: ignore[misc,unused-igno
         # Rank and world size come from torch.distributed (as args.process_index does): its default group carries
         # the agreement all-reduce.
         watcher: AdapterContract = Watcher(root, self.config)
-        batches = _micro_batches_done(args, state, kwargs.get("train_dataloader"))
-        watcher.load_state_dict({"batch_number": batches, "optimizer_step": state.global_step, "epoch": _epoch(state)})
+        batches = _common.micro_batches_done(args, state, kwargs.get("train_dataloader"))
+        epoch = _common.trainer_epoch(state)
+        watcher.load_state_dict({"batch_number": batches, "optimizer_step": state.global_step, "epoch": epoch})
         optimizer = kwargs.get("optimizer")
-        scaler = scaler_of(optimizer)  # the Trainer's accelerator's GradScaler, None without fp16 loss scaling
-        if scaler is not None:
-            # The scale changes only in a step's update(): read it once, after each step (on_optimizer_step).
-            watcher.watch_scaler(scaler, read_scale="when_settled")
+        # The Trainer's accelerator's GradScaler, if fp16 scales the loss. The scale changes only in a step's
+        # update(): read it once, after each step (on_optimizer_step).
+        _common.follow_scaler(watcher, optimizer, read_scale="when_settled")
         watcher.attach()
         _common.add_phase_hook(watcher, root, self._before_top_forward)
         # The Trainer tells callbacks nothing when training raises; an error in the model's forward is seen here.
@@ -90,7 +86,7 @@ class OverflowTrainerCallback(TrainerCallback):  # type: ignore[misc,unused-igno
             # Checked before each step (under a scaler, inside `scaler.step`, which calls `optimizer.step` only for
             # a step it does not skip); every rank gets here alike.
             _common.guard_optimizers(watcher, [optimizer], run=self._run)
-        watcher.summary_sink = self._hold_summary  # on every rank: see on_step_end
+        watcher.summary_sink = self._summary.hold  # on every rank: see on_step_end
         self.watcher = watcher
 
     def on_train_end(
@@ -127,10 +123,7 @@ class OverflowTrainerCallback(TrainerCallback):  # type: ignore[misc,unused-igno
     ) -> None:
         self._end_batch(state, "train")
 
-    def on_pre_optimizer_step(
-        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
-    ) -> None:
-        self._end_batch(state, "train")
+    on_pre_optimizer_step = on_substep_end  # the last micro-batch before an optimizer step ends there
 
     def on_prediction_step(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
@@ -140,9 +133,7 @@ class OverflowTrainerCallback(TrainerCallback):  # type: ignore[misc,unused-igno
             self._end_batch(state, "eval")
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
-        # A summary is due on every rank alike, so every rank asks the Trainer to log: its logging gathers the loss
-        # across ranks, and asking on one rank only would leave the others out of that collective.
-        if self._summary is not None:
+        if self._summary.due:  # on every rank alike (see HeldForLog)
             control.should_log = True
 
     def on_log(
@@ -153,17 +144,7 @@ class OverflowTrainerCallback(TrainerCallback):  # type: ignore[misc,unused-igno
         logs: dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
-        summary = self._summary
-        if summary is None or logs is None:
-            return
-        self._summary = None
-        logs.update(summary)  # what the callbacks after this one receive
-        # Trainer.log() appended its copy of `logs` to the history just before calling on_log.
-        if state.log_history and state.log_history[-1].get("step") == state.global_step:
-            state.log_history[-1].update(summary)
-
-    def _hold_summary(self, summary: Summary) -> None:
-        self._summary = summary.metrics()
+        self._summary.put_into(logs, state.log_history, state.global_step)
 
     def _end_batch(self, state: TrainerState, phase: str) -> None:
         watcher = self.watcher
@@ -173,7 +154,7 @@ class OverflowTrainerCallback(TrainerCallback):  # type: ignore[misc,unused-igno
         def end() -> None:
             if phase == "train":
                 watcher.start_batch("train")  # raises when another rank stopped (this rank's frames checked first)
-            watcher.end_batch(optimizer_step=state.global_step, epoch=_epoch(state))
+            watcher.end_batch(optimizer_step=state.global_step, epoch=_common.trainer_epoch(state))
 
         self._run(end)
 
@@ -181,21 +162,3 @@ class OverflowTrainerCallback(TrainerCallback):  # type: ignore[misc,unused-igno
         # The Trainer has no exception event: the hooks go before any error of a check leaves train().
         if self.watcher is not None:
             _common.stop_on_error(self.watcher, action, close=self.close, errors=BaseException)
-
-
-def _epoch(state: TrainerState) -> int | None:
-    # state.epoch is fractional (epoch + share of it done); its floor is the epoch in progress.
-    return None if state.epoch is None else math.floor(state.epoch)
-
-
-def _micro_batches_done(args: TrainingArguments, state: TrainerState, dataloader: Any) -> int:
-    """Micro-batches already trained when `train()` resumes from a checkpoint (0 on a fresh start)."""
-    accumulation = args.gradient_accumulation_steps
-    steps = state.global_step
-    try:
-        per_epoch = len(dataloader)
-    except TypeError:  # no length (an IterableDataset): whole accumulation groups only
-        return steps * accumulation
-    # The Trainer skips whole epochs, then whole accumulation groups of the epoch in progress.
-    updates_per_epoch = max(math.ceil(per_epoch / accumulation), 1)
-    return (steps // updates_per_epoch) * per_epoch + (steps % updates_per_epoch) * accumulation

@@ -18,7 +18,6 @@ from nanwatch.core.config import resolve_config
 from nanwatch.core.contract import AdapterContract
 from nanwatch.core.hooks import named_unique_modules
 from nanwatch.core.log import get_logger
-from nanwatch.core.readouts import Summary, scaler_of
 from nanwatch.core.watcher import Watcher
 from nanwatch.errors import BatchLimitReached, NonFiniteError
 
@@ -27,12 +26,8 @@ __all__ = ["OverflowCallback"]
 _LIGHTNING_IMPORT_ERROR: ImportError | None = None
 if TYPE_CHECKING:
     from lightning.pytorch import Callback, LightningModule, Trainer
-else:
-    try:
-        from lightning.pytorch import Callback
-    except ImportError as error:  # raised again, with the install hint, when the callback is constructed
-        _LIGHTNING_IMPORT_ERROR = error
-        Callback = object
+else:  # the error is raised again, with the install hint, when the callback is constructed
+    Callback, _LIGHTNING_IMPORT_ERROR = _common.optional_base("lightning.pytorch", "Callback")
 
 
 class OverflowCallback(Callback):
@@ -72,10 +67,8 @@ class OverflowCallback(Callback):
         if not trainer.is_global_zero:
             watcher.summary_sink = None  # Lightning's loggers write on rank zero only: no read-back elsewhere
         elif trainer.loggers:  # without any, the summary goes to the "nanwatch" logger
-            watcher.summary_sink = lambda summary: _log_summary(trainer, summary)
-        scaler = scaler_of(trainer.precision_plugin)  # MixedPrecision("16-mixed") and FSDP's have one
-        if scaler is not None:
-            watcher.watch_scaler(scaler)
+            watcher.summary_sink = _common.to_loggers(trainer)
+        _common.follow_scaler(watcher, trainer.precision_plugin)  # MixedPrecision("16-mixed") and FSDP's have one
         # Checked before each step (after Lightning's closure computed the gradients); under a scaler only the steps
         # it does not skip reach the optimizer.
         _common.guard_optimizers(watcher, trainer.optimizers, count_steps=False)
@@ -167,10 +160,3 @@ class OverflowCallback(Callback):
         self._counters = dict(state_dict)
         if self.watcher is not None:
             self.watcher.load_state_dict(self._counters)
-
-
-def _log_summary(trainer: Trainer, summary: Summary) -> None:
-    # Straight to the loggers at the interval nanwatch was given: `log_dict` would also apply log_every_n_steps.
-    metrics = summary.metrics()
-    for logger in trainer.loggers:
-        logger.log_metrics(metrics, step=trainer.global_step)

@@ -4,13 +4,12 @@ The loop calls `handle.step()` after each micro-batch; that is the batch counter
 check before every optimizer step, so a step that would apply inf/nan never runs. Under a `GradScaler` (`scaler=`),
 the scale of a micro-batch's step is read as the next micro-batch starts: `step()` may come before or after
 `scaler.step()`. When nanwatch raises, the handle removes its hooks first (`step()` goes on counting, recording
-nothing); one watcher per model (`_take_over`).
+nothing); one watcher per model (`_common.take_over`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import weakref
 from types import TracebackType
 from typing import Any
 
@@ -19,7 +18,6 @@ import torch
 from nanwatch.adapters import _common
 from nanwatch.core.config import WatchConfig, resolve_config
 from nanwatch.core.contract import AdapterContract
-from nanwatch.core.log import warn
 from nanwatch.core.readouts import GradScalerLike
 from nanwatch.core.watcher import Watcher
 from nanwatch.errors import LossScaleBelowFloor
@@ -48,9 +46,9 @@ class WatchHandle(_common.UserHandle):
         if scaler is not None:  # before attach: a bad scaler raises with no hook left behind
             self.watcher.watch_scaler(scaler, read_scale="when_settled")
         self._closed = False
-        self._scale_unread = False  # a micro-batch ended; the scaler's verdict on its step is not read yet
+        self._scale = _common.ScaleAfterStep(self.watcher)
         try:
-            _take_over(watched)
+            _common.take_over(watched, caller="watch()", fix="handle.close(), or `with nanwatch.watch(...) as handle:`")
             # Any other optimizer that steps the model's weights (or this one, when none was passed) is said once.
             fix = "Pass the optimizer to check before each of its steps: nanwatch.watch(model, optimizer=optimizer)"
             _common.watch_root(
@@ -64,7 +62,7 @@ class WatchHandle(_common.UserHandle):
         except BaseException:
             self.watcher.close(check=False)  # a watch() that failed leaves nothing attached
             raise
-        _LIVE.add(self)
+        _common.hold(self)
 
     @property
     def model(self) -> torch.nn.Module:
@@ -76,18 +74,6 @@ class WatchHandle(_common.UserHandle):
     def config(self) -> WatchConfig:
         return self.watcher.config
 
-    @property
-    def optimizer_step(self) -> int | None:
-        return self.watcher.optimizer_step
-
-    @property
-    def epoch(self) -> int | None:
-        return self.watcher.epoch
-
-    @epoch.setter
-    def epoch(self, value: int | None) -> None:
-        self.watcher.set_counters(epoch=value)
-
     def _before_top_forward(self, module: torch.nn.Module, args: tuple[Any, ...]) -> None:
         training = module.training
 
@@ -95,7 +81,7 @@ class WatchHandle(_common.UserHandle):
             if training:
                 # The first forward of a micro-batch: the previous one's scaler.step() and update() are done, whether
                 # step() came before or after them, so a change of the scale seen now is that micro-batch's.
-                self._settle_scale()
+                self._scale.read()
             self.watcher.start_batch("train" if training else "eval")
 
         _common.stop_on_error(self.watcher, start)
@@ -121,31 +107,11 @@ class WatchHandle(_common.UserHandle):
             self.watcher.end_batch()
 
         _common.stop_on_error(self.watcher, end)
-        self._scale_unread = True
-
-    def _settle_scale(self) -> None:
-        # One read of the loss scale per micro-batch (none without a scaler); may raise LossScaleBelowFloor.
-        if self._scale_unread:
-            self._scale_unread = False
-            self.watcher.on_optimizer_step("settled")
+        self._scale.step_done()
 
     def check(self) -> None:
         """Check now (one host sync, and a collective when distributed) rather than waiting for `step()`."""
         _common.stop_on_error(self.watcher, lambda: self.watcher.agreement_point(hold=False))
-
-    def summary(self) -> dict[str, float]:
-        """The abs max of every watched module in the last training batch checked clean, also logged to "nanwatch"
-        (one transfer from the device; `summary_every_n_batches` logs the same every N batches unasked).
-
-        Returns:
-            `{"nanwatch/absmax/<module>": value, ..., "nanwatch/absmax_global": value, "nanwatch/batch_number": n}`
-            (the root module is `(root)`), or an empty dict before any watched batch was checked.
-        """
-        summary = self.watcher.summary()
-        if summary is None:
-            return {}
-        self.watcher.logger.info(summary.to_text())
-        return summary.metrics()
 
     def close(self) -> None:
         """Remove every hook; check what was recorded since the last `step()` and log a report if it holds inf/nan."""
@@ -154,12 +120,9 @@ class WatchHandle(_common.UserHandle):
         self._closed = True
         try:
             with contextlib.suppress(LossScaleBelowFloor):  # published (written and logged); close() never raises it
-                self._settle_scale()  # the last micro-batch's step, if step() came before it
+                self._scale.read()  # the last micro-batch's step, if step() came before it
         finally:
             self.watcher.close()
-
-    def __enter__(self) -> WatchHandle:
-        return self
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None
@@ -171,29 +134,7 @@ class WatchHandle(_common.UserHandle):
             return
         self._closed = True
         self.watcher.close(raise_detection=True)  # inf/nan recorded since the last step(): raised here
-        self._settle_scale()  # the last micro-batch's step: may raise LossScaleBelowFloor
-
-
-# The handles whose hooks may still be on a model (a handle is kept alive by its hooks, not by this set).
-_LIVE: weakref.WeakSet[WatchHandle] = weakref.WeakSet()
-
-
-def _take_over(model: torch.nn.Module) -> None:
-    """One watcher per model: close every live handle that still has hooks on a module of `model`, with a warning.
-    Two handles on one model would both record every call and both count batches; a nan in the new run would be
-    raised by the old handle with its own batch number."""
-    if not _LIVE:
-        return
-    ours = {id(module) for module in model.modules()}
-    for old in list(_LIVE):
-        if old._closed or not old.watcher.attached or ours.isdisjoint(map(id, old.model.modules())):
-            continue
-        warn(
-            f"nanwatch: watch() on a model that an earlier watch() handle still watches (at its "
-            f"batch_number={old.batch_number}): that handle is closed now, and the new one takes over. Close a "
-            "handle when its run ends: handle.close(), or `with nanwatch.watch(...) as handle:`"
-        )
-        old.close()
+        self._scale.read()  # the last micro-batch's step: may raise LossScaleBelowFloor
 
 
 def watch(
