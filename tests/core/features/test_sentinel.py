@@ -25,6 +25,7 @@ from tests.test_watch_differential import SCENARIOS, SEED
 from torch import nn
 
 import nanwatch
+import nanwatch.core.features.sentinel.feature
 from nanwatch import ConfigError, NonFiniteError, WatchConfig
 
 REPLAYED = "reproduced by replaying micro-batch"
@@ -482,3 +483,60 @@ def test_a_forward_that_raises_is_not_said_to_return_an_unreadable_output() -> N
         with pytest.raises(KeyError, match="the user's own error"):
             model(torch.ones(2))
     assert [str(w.message) for w in caught] == []
+
+
+class OddOutput(nn.Module):
+    """A model whose output is a float8, a jagged nested or a sparse tensor, scaled by `factor` (nan: non-finite;
+    float8_e4m3fn has no inf: a cast saturates it to 448)."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.fc = nn.Linear(2, 2)
+        self.kind = kind
+        self.factor = 1.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.fc(x) * self.factor
+        if self.kind == "float8":
+            return y.to(torch.float8_e4m3fn)
+        if self.kind == "nested":
+            return torch.nested.nested_tensor([y[0], y[1, :1]], layout=torch.jagged)
+        return y.to_sparse()
+
+
+@pytest.mark.parametrize("kind", ["float8", "nested", "sparse"])
+def test_an_odd_output_type_is_read_and_its_inf_found_not_raised_in_the_forward(kind: str) -> None:
+    # Before: torch.aminmax in the sentinel's output hook raised NotImplementedError inside the user's forward.
+    torch.manual_seed(0)
+    model = OddOutput(kind)
+    x = torch.ones(2, 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", nanwatch.NanwatchWarning)  # nothing to say of a readable output
+        handle = nanwatch.watch(model, mode="sentinel")
+        for _ in range(2):
+            model(x)  # never raises here
+            handle.step()
+    model.factor = float("nan")
+    model(x)
+    with pytest.raises(NonFiniteError) as caught:
+        handle.step()
+    assert caught.value.batch_number == 2
+    handle.close()
+
+
+def test_a_failure_inside_the_sentinels_hooks_stops_watching_and_the_forward_goes_on(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("a bug in nanwatch's sentinel")
+
+    monkeypatch.setattr(nanwatch.core.features.sentinel.feature, "look_at", broken)
+    model = small_mlp(scale=False)
+    with nanwatch.watch(model, mode="sentinel") as handle:
+        with pytest.warns(nanwatch.NanwatchWarning, match="stopped watching .*a bug in nanwatch's sentinel"):
+            out = model(torch.ones(2, 4))  # the user's forward returns as if unwatched
+        assert out.shape == (2, 1)
+        handle.step()
+        assert handle.watcher.disabled_reason is not None
+        model(torch.ones(2, 4))  # watching is off: nothing raised, nothing said again
+        handle.step()

@@ -89,10 +89,12 @@ class SentinelFeature(Feature):
             except TypeError:
                 self._depth -= 1  # this forward never runs
                 raise
-            micro = self._micro_batch(ctx.batch_number)
-            micro.calls.append(
-                Call(runner, tuple(args), dict(kwargs), capture_rng_states(), autocast_state(), torch.is_grad_enabled())
-            )
+            try:
+                micro = self._micro_batch(ctx.batch_number)
+                state = capture_rng_states(), autocast_state(), torch.is_grad_enabled()
+                micro.calls.append(Call(runner, tuple(args), dict(kwargs), *state))
+            except Exception as error:  # a bug of ours: never raised in the user's forward, watching stops instead
+                ctx.disable(f"sentinel mode could not keep the inputs of {type(module).__name__}: {error!r}")
 
         return hook
 
@@ -120,6 +122,12 @@ class SentinelFeature(Feature):
         ctx = self._ctx
         if self._depth or ctx is None or not self._active or not ctx.recording:
             return
+        try:
+            self._look(ctx, module, output)
+        except Exception as error:  # a bug of ours: never raised in the user's forward, watching stops instead
+            ctx.disable(f"sentinel mode could not read the output of {type(module).__name__}: {error!r}")
+
+    def _look(self, ctx: EngineContext, module: torch.nn.Module, output: Any) -> None:
         training = module.training
         call = self._window[-1].calls[-1] if training and self._window and self._window[-1].calls else None
         batch = ctx.batch_number if training else ctx.current_batch
@@ -131,8 +139,13 @@ class SentinelFeature(Feature):
             self._saidunreadable = True
             warn(unreadable(module, output, guarded=ctx.guarded))
         for label, leaf in leaves:
-            if leaf.numel():  # an empty output holds no inf/nan (and has no min)
-                self._seen.append(look_at(leaf.detach(), f"{label} of the model", batch, training))
+            if leaf.is_nested or leaf.numel():  # an empty output holds no inf/nan (and has no min)
+                seen = look_at(leaf.detach(), f"{label} of the model", batch, training)
+                if seen is not None:
+                    self._seen.append(seen)
+                elif not self._saidunreadable:
+                    self._saidunreadable = True
+                    warn(unreadable(module, leaf, guarded=ctx.guarded))
             if call is not None and leaf.requires_grad:
                 leaf.register_hook(self._keep_gradient(call, label))  # type: ignore[no-untyped-call]
 

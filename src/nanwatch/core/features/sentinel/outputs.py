@@ -13,6 +13,8 @@ from typing import Any
 import torch
 
 from nanwatch.core.events import Phase
+from nanwatch.core.stats.kernels import FLOAT8_DTYPES
+from nanwatch.core.stats.measure import measure
 from nanwatch.core.walk import walk
 
 __all__ = ["Seen", "float_leaves", "holds_non_finite", "look_at", "unreadable"]
@@ -42,14 +44,31 @@ def float_leaves(value: Any) -> Iterator[tuple[str, torch.Tensor]]:
             yield label, leaf
 
 
-def look_at(output: torch.Tensor, what: str, batch_number: int, training: bool) -> Seen:
+def look_at(output: torch.Tensor, what: str, batch_number: int, training: bool) -> Seen | None:
     """One read-only pass over `output`, no host sync. In training its min and max: exact (neither overflows from
     finite values), and nothing is kept, since the check comes at the optimizer step. In evaluation, checked as the
     batch ends, a float32/float64 output is summed (the cheapest pass there is) and kept until then, so a sum that
-    overflowed from finite values is told from an inf/nan by looking at the output itself."""
+    overflowed from finite values is told from an inf/nan by looking at the output itself. A float8, nested or sparse
+    output is measured as full mode measures it; None when it cannot be read at all."""
+    phase: Phase = "train" if training else "eval"
+    if output.layout is not torch.strided or output.is_nested or output.dtype in FLOAT8_DTYPES:
+        return _look_at_odd(output, what, batch_number, phase)
     if not training and output.dtype in _SUMMED:
         return Seen((output.sum(),), what, batch_number, "eval", output)
-    return Seen(tuple(torch.aminmax(output)), what, batch_number, "train" if training else "eval")
+    return Seen(tuple(torch.aminmax(output)), what, batch_number, phase)
+
+
+def _look_at_odd(output: torch.Tensor, what: str, batch_number: int, phase: Phase) -> Seen | None:
+    """A float8, nested or sparse output, which torch cannot reduce in one `aminmax`: its abs max as full mode
+    measures it (inf/nan when any value is), over a sparse tensor's stored values; None when it cannot be read."""
+    if output.layout is torch.sparse_coo:
+        output = output._values()
+    elif output.layout is not torch.strided and not output.is_nested:  # CSR, CSC, BSR, BSC
+        output = output.values()
+    found = measure(output)
+    if found.abs_max is None:
+        return None
+    return Seen((found.abs_max,), what, batch_number, phase)
 
 
 def holds_non_finite(item: Seen) -> bool:
