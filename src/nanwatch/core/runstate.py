@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import random
+import sys
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -41,9 +42,13 @@ def autocast_as(state: Mapping[str, str]) -> Iterator[None]:
         yield
 
 
-def capture_rng_states() -> dict[str, Any]:
-    """The python, torch CPU and (if CUDA was initialised) CUDA generator states."""
+def capture_rng_states(*, numpy: bool = False) -> dict[str, Any]:
+    """The python, torch CPU and (if CUDA was initialised) CUDA generator states; with `numpy`, numpy's global
+    generator's too, where numpy was imported (a replay in this process restores it; a replay file does not keep it)."""
     states: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    numpy_module = sys.modules.get("numpy") if numpy else None
+    if numpy_module is not None:
+        states["numpy"] = numpy_module.random.get_state()
     # Asking for CUDA states would initialise CUDA in a CPU-only run; if it was never initialised, nothing used it.
     if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
         states["cuda"] = torch.cuda.get_rng_state_all()
@@ -57,6 +62,8 @@ def restore_rng_states(states: Mapping[str, Any]) -> list[str]:
         random.setstate(_as_python_state(states["python"]))
     if "torch" in states:
         torch.set_rng_state(states["torch"])
+    if "numpy" in states:
+        sys.modules["numpy"].random.set_state(states["numpy"])  # captured only where numpy was imported
     cuda_states = states.get("cuda")
     if cuda_states:
         if torch.cuda.is_available() and torch.cuda.device_count() >= len(cuda_states):

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from tests.models import NanInBackward, small_mlp
@@ -540,3 +541,61 @@ def test_a_failure_inside_the_sentinels_hooks_stops_watching_and_the_forward_goe
         assert handle.watcher.disabled_reason is not None
         model(torch.ones(2, 4))  # watching is off: nothing raised, nothing said again
         handle.step()
+
+
+class NumpyDice(nn.Module):
+    """Draws from numpy's global generator in forward; the draw decides whether the output goes nan. Counts its calls
+    in a plain Python attribute, as user code does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(2, 2)
+        self.calls = 0
+        self.seen: list[int] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        self.seen.append(self.calls)
+        y = self.fc(x)
+        return y * float("nan") if np.random.rand() > 0.8 else y
+
+
+def _until_nan(model: NumpyDice, handle: Any) -> NonFiniteError:
+    for _ in range(50):
+        model(torch.ones(1, 2))
+        try:
+            handle.step()
+        except NonFiniteError as error:
+            return error
+    raise AssertionError("the dice never came up nan")
+
+
+def test_numpys_generator_drawn_in_forward_is_replayed_and_left_as_it_was() -> None:
+    # Before: numpy's state was not kept, so the replay drew again from a moved generator and said "not reproduced".
+    # Seed 7: the fifth draw comes up (> 0.8) and the sixth does not, so a replay that drew from the moved generator
+    # would come out finite.
+    np.random.seed(7)
+    model = NumpyDice()
+    handle = nanwatch.watch(model, mode="sentinel")
+    error = _until_nan(model, handle)
+    handle.close()
+    after = np.random.get_state()
+    assert error.batch_number == 4
+    assert REPLAYED in error.report
+    np.random.seed(7)
+    for _ in range(5):  # the user's five draws, and not one more
+        np.random.rand()
+    expected = np.random.get_state()
+    assert after[2] == expected[2] and np.array_equal(after[1], expected[1]), "the replay moved numpy's generator"
+
+
+def test_the_replay_leaves_the_models_python_attributes_as_the_run_left_them() -> None:
+    # Before: the replay ran the live model, so a forward's own counters advanced once more for every replayed call.
+    np.random.seed(7)
+    model = NumpyDice()
+    handle = nanwatch.watch(model, mode="sentinel")
+    error = _until_nan(model, handle)
+    handle.close()
+    assert REPLAYED in error.report
+    assert model.calls == error.batch_number + 1  # the user's forwards, not one more
+    assert model.seen == list(range(1, model.calls + 1))

@@ -91,7 +91,7 @@ class SentinelFeature(Feature):
                 raise
             try:
                 micro = self._micro_batch(ctx.batch_number)
-                state = capture_rng_states(), autocast_state(), torch.is_grad_enabled()
+                state = capture_rng_states(numpy=True), autocast_state(), torch.is_grad_enabled()
                 micro.calls.append(Call(runner, tuple(args), dict(kwargs), *state))
             except Exception as error:  # a bug of ours: never raised in the user's forward, watching stops instead
                 ctx.disable(f"sentinel mode could not keep the inputs of {type(module).__name__}: {error!r}")

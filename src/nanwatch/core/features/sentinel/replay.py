@@ -7,7 +7,7 @@ generators, drives the backward from the kept gradients when the nan was only in
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -27,7 +27,8 @@ def run_again(ctx: EngineContext, micro: MicroBatch, *, backward: bool) -> None:
     buffers = dict(ctx.model.named_buffers())
     with torch.no_grad():
         now = {name: buffer.detach().clone() for name, buffer in buffers.items()}
-    callers_rng = capture_rng_states()
+    callers_rng = capture_rng_states(numpy=True)
+    restore_attributes = _keep_attributes(ctx.model)
     pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
     try:
         with torch.no_grad():
@@ -59,6 +60,42 @@ def run_again(ctx: EngineContext, micro: MicroBatch, *, backward: bool) -> None:
             for name, value in now.items():
                 buffers[name].copy_(value)
         restore_rng_states(callers_rng)
+        restore_attributes()
+
+
+# Values a forward may change in a module's plain Python attributes (a call counter, a cache list) that a replay puts
+# back; any other object is left as it is.
+_PLAIN = (bool, int, float, complex, str, bytes, tuple, frozenset, type(None))
+
+
+def _keep_attributes(model: torch.nn.Module) -> Callable[[], None]:
+    """The modules' public plain attributes (numbers, strings, tuples; lists, dicts and sets by their contents) as they
+    are now, and a function that puts them back: a replay runs the live model, and must not advance the user's state
+    (a call counter, a list the forward appends to) as if the run had taken one more step."""
+    values: list[tuple[dict[str, Any], str, Any]] = []
+    containers: list[tuple[dict[str, Any], str, Any, Any]] = []
+    for module in model.modules():
+        attributes = vars(module)
+        for name, value in attributes.items():
+            if name.startswith("_"):
+                continue
+            if isinstance(value, _PLAIN):
+                values.append((attributes, name, value))
+            elif type(value) in (list, dict, set):
+                containers.append((attributes, name, value, value.copy()))
+
+    def restore() -> None:
+        for attributes, name, value in values:
+            attributes[name] = value
+        for attributes, name, container, contents in containers:
+            container.clear()  # the same object, as the user's code may hold it
+            if isinstance(container, list):
+                container.extend(contents)
+            else:
+                container.update(contents)
+            attributes[name] = container
+
+    return restore
 
 
 def _detached(value: Any) -> Any:
