@@ -59,6 +59,10 @@ class NonFiniteError(NanwatchError, ValueError):
         culprit: a `nanwatch.core.features.culprit.Culprit`: the first module whose inputs and weights were finite but
             whose output was not (or where the inf/nan came in from instead), when this process saw it; None on the
             other ranks. `str()` of it is the one-line explanation that the message and the report end with.
+        replay: in sentinel mode, what running the micro-batch again found: "reproduced" (the report is the one full
+            mode would have written), "not_reproduced" (everything was restored and the numbers came out finite: a
+            non-deterministic kernel, a race or a fault), "not_replayable" (something it needs had changed or could
+            not be run again; the report says what); None in full mode and on the other ranks.
     """
 
     def __init__(
@@ -73,6 +77,7 @@ class NonFiniteError(NanwatchError, ValueError):
         epoch: int | None = None,
         phase: str = "train",
         culprit: Any = None,
+        replay: str | None = None,
     ) -> None:
         super().__init__(message)
         self.batch_number = batch_number
@@ -83,6 +88,7 @@ class NonFiniteError(NanwatchError, ValueError):
         self.epoch = epoch
         self.phase = phase
         self.culprit = culprit
+        self.replay = replay
 
     def __reduce__(self) -> tuple[object, ...]:
         # Keyword-only arguments need help to survive pickling (multiprocessing, Lightning's spawn).

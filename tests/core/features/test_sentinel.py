@@ -599,3 +599,89 @@ def test_the_replay_leaves_the_models_python_attributes_as_the_run_left_them() -
     assert REPLAYED in error.report
     assert model.calls == error.batch_number + 1  # the user's forwards, not one more
     assert model.seen == list(range(1, model.calls + 1))
+
+
+class NormalisesItsInput(nn.Module):
+    """Goes nan when its input is large, then scales the input in place (`x.div_(...)`) as some forwards do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(2, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        large = bool(x.abs().max() > 100)
+        x.div_(x.abs().max())
+        y = self.fc(x)
+        return y * float("nan") if large else y
+
+
+def test_an_input_the_forward_changed_in_place_is_not_replayable_and_never_blamed_on_the_hardware() -> None:
+    # Before: the replay ran the changed input (already divided), came out finite and said "not reproduced: look for
+    # a non-deterministic kernel, a race, or a hardware fault".
+    torch.manual_seed(0)
+    model = NormalisesItsInput()
+    handle = nanwatch.watch(model, mode="sentinel")
+    for value in (1.0, 2.0):
+        model(torch.full((1, 2), value))
+        handle.step()
+    model(torch.full((1, 2), 1000.0))
+    with pytest.raises(NonFiniteError) as caught:
+        handle.step()
+    handle.close()
+    error = caught.value
+    assert error.replay == "not_replayable"
+    assert "not replayable: input[0] of micro-batch 2 changed in place" in error.report
+    assert "hardware fault" not in error.report and "not reproduced" not in error.report
+    assert "mode='full'" in error.report
+
+
+class CountsLate(nn.Module):
+    """A buffer the forward leaves alone in the first micro-batch and changes from the second on (a warm-up), and a
+    nan when that buffer is 3 (so a replay that ran the buffer as it is after the forward would stay finite)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(2, 2)
+        self.register_buffer("seen", torch.zeros(()))
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls > 1:
+            self.seen += 1
+        y = self.fc(x)
+        return y * float("nan") if bool(self.seen == 3) else y
+
+
+def test_a_buffer_that_starts_changing_after_the_first_micro_batch_is_kept_and_replayed() -> None:
+    # Before: whether a buffer changes was decided once, after micro-batch 0; this one was kept by reference, and the
+    # replay ran it as it is now (one more), then said "not reproduced" or reproduced the wrong micro-batch's state.
+    torch.manual_seed(0)
+    model = CountsLate()
+    handle = nanwatch.watch(model, mode="sentinel")
+    with pytest.raises(NonFiniteError) as caught:
+        for _ in range(8):
+            model(torch.ones(1, 2))
+            handle.step()
+    handle.close()
+    error = caught.value
+    assert error.batch_number == 3
+    assert error.replay == "reproduced", error.report
+    assert REPLAYED in error.report
+    assert float(model.seen) == 3.0  # the replay put the buffer back as the run left it
+
+
+def test_the_error_says_which_verdict_the_replay_reached() -> None:
+    np.random.seed(7)
+    model = NumpyDice()
+    handle = nanwatch.watch(model, mode="sentinel")
+    error = _until_nan(model, handle)
+    handle.close()
+    assert error.replay == "reproduced"
+    model = small_mlp(scale=False)
+    with nanwatch.watch(model) as handle:  # full mode: nothing replayed, nothing to say
+        model[0].weight.data[0, 0] = float("nan")
+        model(torch.ones(1, 4))
+        with pytest.raises(NonFiniteError) as caught:
+            handle.step()
+    assert caught.value.replay is None

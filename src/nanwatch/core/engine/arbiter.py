@@ -166,6 +166,7 @@ class Arbiter:
             epoch=counters.epoch,
             phase=agreed.phase,
             culprit=mine.culprit if mine is not None else None,
+            replay=_replay_verdict(mine),
         )
 
     def _message(self, mine: Report | None, agreed: Detection) -> str:
@@ -186,3 +187,10 @@ class Arbiter:
         after = f"The report above shows {shown}." if mine is not None else "See that rank's report."
         during = f"{counter_name(agreed.phase)}={agreed.batch_number}"
         return f"nanwatch: inf/nan detected during {during}{where}{first}. {after}"
+
+
+def _replay_verdict(report: Report | None) -> str | None:
+    """Sentinel mode's verdict on running the micro-batch again (its "replay" section), or None."""
+    section = report.section("replay") if report is not None else None
+    verdict = section.data.get("verdict") if section is not None and isinstance(section.data, dict) else None
+    return verdict if isinstance(verdict, str) else None

@@ -16,7 +16,7 @@ import torch
 from nanwatch.core.events import EngineContext, Feature, OptimizerStage, Phase
 from nanwatch.core.features.sentinel.kept import MAX_WINDOW, Call, MicroBatch, refuse_what_the_forward_consumes
 from nanwatch.core.features.sentinel.outputs import Seen, float_leaves, holds_non_finite, look_at, unreadable
-from nanwatch.core.features.sentinel.replay import not_reproduced, reproduced, run_again
+from nanwatch.core.features.sentinel.replay import not_replayable, not_reproduced, reproduced, run_again
 from nanwatch.core.frames import Frame, Role
 from nanwatch.core.hooks import reshards_after_forward
 from nanwatch.core.log import warn
@@ -41,6 +41,7 @@ class SentinelFeature(Feature):
         self._sharded = False  # FSDP: a forward on one rank alone would run collectives no other rank runs
         self._changing: set[str] | None = None  # the buffers a forward changes, once one micro-batch showed which
         self._as_first_began: dict[str, torch.Tensor] | None = None  # the buffers before the first micro-batch
+        self._referenced: dict[str, int] = {}  # the version counters of the buffers kept by reference, last seen
         self._saidunreadable = False  # an output with no floating-point tensor in it was warned about
 
     def attach(self, ctx: EngineContext, modules: Sequence[tuple[str, torch.nn.Module]]) -> None:
@@ -74,7 +75,7 @@ class SentinelFeature(Feature):
 
     def close(self, ctx: EngineContext) -> None:
         self._window, self._seen, self._screened, self._buffers = [], [], [], []
-        self._as_first_began = None
+        self._as_first_began, self._referenced = None, {}
 
     # --------------------------------------------------------------------------------------------- keeping
 
@@ -106,6 +107,12 @@ class SentinelFeature(Feature):
             first, self._as_first_began = self._as_first_began, None
             self._changing = {name for name, buffer in self._buffers if not torch.equal(buffer, first[name])}
         changing = self._changing
+        if changing is not None:  # a buffer that starts changing later (a warm-up) is copied from then on
+            changing.update(
+                name
+                for name, buffer in self._buffers
+                if name not in changing and self._referenced.get(name, buffer._version) != buffer._version
+            )
         with torch.no_grad():  # copies of the buffers a forward changes (BatchNorm's running stats), references else
             buffers = {
                 name: buffer.detach().clone() if changing is None or name in changing else buffer
@@ -113,7 +120,10 @@ class SentinelFeature(Feature):
             }
         if changing is None:
             self._as_first_began = buffers
-        self._window.append(MicroBatch(batch_number, buffers))
+        self._referenced = {
+            name: buffer._version for name, buffer in buffers.items() if changing is not None and name not in changing
+        }
+        self._window.append(MicroBatch(batch_number, buffers, buffer_versions=dict(self._referenced)))
         del self._window[:-MAX_WINDOW]
         return self._window[-1]
 
@@ -199,31 +209,41 @@ class SentinelFeature(Feature):
             return report
         if report.phase != "train":
             note = "an evaluation forward is checked, not replayed (its inputs are not kept)"
-            return report.with_section(ReportSection("replay", 30, (note,), {"reproduced": None}))
+            return report.with_section(
+                ReportSection("replay", 30, (note,), {"reproduced": None, "verdict": "not_replayable"})
+            )
         seen = report.section("sentinel")
         loss_first = any(
             entry.role is Role.LOSS and entry.non_finite for frame in report.frames for entry in frame.entries
         )
         if loss_first and seen is None:  # the model's output was finite: there is nothing inside it to replay
             note = "not replayed: the inf/nan first appeared in the loss, computed outside the model from its output"
-            return report.with_section(ReportSection("replay", 30, (note,), {"reproduced": None}))
+            return report.with_section(
+                ReportSection("replay", 30, (note,), {"reproduced": None, "verdict": "not_replayable"})
+            )
         if self._sharded:
             note = (
                 "not replayed: the model's parameters are sharded (FSDP), and a forward on this rank alone would "
                 "gather them through collectives no other rank runs; run with mode='full' to see every module"
             )
-            return report.with_section(ReportSection("replay", 30, (note,), {"reproduced": None}))
+            return report.with_section(
+                ReportSection("replay", 30, (note,), {"reproduced": None, "verdict": "not_replayable"})
+            )
         if seen is not None:  # seen at the output of a known micro-batch: that one is replayed
             window = [micro for micro in self._window if micro.batch_number == seen.payload]
         else:  # seen in the gradients the step would apply: any micro-batch of the window may have put it there
             window = [micro for micro in self._window if micro.batch_number <= report.batch_number]
         if not window:
             note = "no micro-batch was kept to replay (watching began after its forward)"
-            return report.with_section(ReportSection("replay", 30, (note,), {"reproduced": None}))
+            return report.with_section(
+                ReportSection("replay", 30, (note,), {"reproduced": None, "verdict": "not_replayable"})
+            )
         # inf/nan in the model's output: its forward is where it began. Only in the gradients: the backward is
         # replayed too, driven by the gradient w.r.t. the output kept from the first run, when that one was finite
         # (a non-finite one came in from the loss, and running the model's backward from it would prove nothing).
         backward = seen is None and report.section("gradients") is not None
+        unreplayable = [what for micro in window for what in micro.changed()]
+        window = [micro for micro in window if not micro.changed()]  # replaying those would run other values
         try:
             for micro in window:
                 found = ctx.rerun(
@@ -236,10 +256,22 @@ class SentinelFeature(Feature):
                     return reproduced(found, report, micro, backward=backward)
         except Exception as error:  # the replay's own failure never replaces the detection
             line = f"the replay of this micro-batch failed: {error!r}; the detection above is what the sentinel saw"
-            return report.with_section(ReportSection("replay", 30, (line,), {"reproduced": None, "error": repr(error)}))
+            return report.with_section(
+                ReportSection(
+                    "replay", 30, (line,), {"reproduced": None, "verdict": "not_replayable", "error": repr(error)}
+                )
+            )
+        if unreplayable:
+            return not_replayable(report, unreplayable)
         return not_reproduced(report, window, ctx.world_size)
 
 
 def _shards_parameters(module: torch.nn.Module) -> bool:
     # FSDP2 (`fully_shard`) and FSDP1 wrappers; nanwatch imports neither (core/hooks.py checks FSDP2 the same way).
     return reshards_after_forward(module) or type(module).__name__ == "FullyShardedDataParallel"
+
+
+def _unreplayed(report: Report, line: str, **more: str) -> Report:
+    """The detection's report with why it was not replayed (a verdict of its own: never "not reproduced")."""
+    data = {"reproduced": None, "verdict": "not_replayable", **more}
+    return report.with_section(ReportSection("replay", 30, (line,), data))

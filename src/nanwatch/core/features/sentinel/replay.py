@@ -19,7 +19,7 @@ from nanwatch.core.features.sentinel.outputs import float_leaves
 from nanwatch.core.report import Report, ReportSection
 from nanwatch.core.runstate import autocast_as, capture_rng_states, restore_rng_states
 
-__all__ = ["not_reproduced", "reproduced", "run_again"]
+__all__ = ["not_replayable", "not_reproduced", "reproduced", "run_again"]
 
 
 def run_again(ctx: EngineContext, micro: MicroBatch, *, backward: bool) -> None:
@@ -116,7 +116,7 @@ def reproduced(found: Report, original: Report, micro: MicroBatch, *, backward: 
             "; its backward was driven by the gradient w.r.t. the model's output kept from the first run, through "
             "torch.autograd.grad, so the parameters' .grad lines are not recorded (the gradients above list them)"
         )
-    report = found.with_section(ReportSection("replay", 30, (line,), {"reproduced": True}))
+    report = found.with_section(ReportSection("replay", 30, (line,), {"reproduced": True, "verdict": "reproduced"}))
     for key in ("sentinel", "gradients"):
         section = original.section(key)
         if section is not None:
@@ -141,4 +141,19 @@ def not_reproduced(report: Report, window: Sequence[MicroBatch], world_size: int
             " With several ranks, the gradients are averaged over all of them: the nan may have come from another "
             "rank's micro-batch (run with mode='full' and watch_gradients=True to see where)."
         )
-    return report.with_section(ReportSection("replay", 30, (line,), {"reproduced": False}))
+    return report.with_section(ReportSection("replay", 30, (line,), {"reproduced": False, "verdict": "not_reproduced"}))
+
+
+def not_replayable(report: Report, changed: Sequence[str]) -> Report:
+    """The detection's report, saying the micro-batch could not be run again as it ran, and what changed since."""
+    shown = ", ".join(changed[:8]) + (f" and {len(changed) - 8} more" if len(changed) > 8 else "")
+    line = (
+        f"not replayable: {shown} changed in place since the micro-batch ran (by the forward itself, or by the loop "
+        "refilling a preallocated tensor), so a replay would run other values; sentinel mode keeps inputs and most "
+        "buffers by reference. Nothing here points at the hardware. To see where inf/nan began, run with "
+        "mode='full', or with capture_on_detect=True and replay the file."
+    )
+    if report.section("sentinel") is not None:  # seen at the model's output: no module's frame holds it
+        report = dataclasses.replace(report, module_name=None)
+    data = {"reproduced": None, "verdict": "not_replayable", "changed": list(changed)}
+    return report.with_section(ReportSection("replay", 30, (line,), data))
