@@ -45,6 +45,7 @@ from nanwatch.core.readouts import (
     Readout,
     ScaleReading,
     ScaleRecord,
+    checked_scaler,
     scale_text,
     scaler_of,
 )
@@ -96,12 +97,7 @@ class LossScaleMonitor:
     """
 
     def __init__(self, scaler: GradScalerLike, min_loss_scale: float | None, logger: logging.Logger) -> None:
-        if not isinstance(scaler, GradScalerLike):
-            raise TypeError(
-                "scaler must be a torch.amp.GradScaler (an object with get_scale() and is_enabled()), "
-                f"got {type(scaler).__name__}"
-            )
-        self.scaler = scaler
+        self.scaler = checked_scaler(scaler, "at_batch_end")
         self.min_loss_scale = min_loss_scale
         self.logger = logger
         self._first: ScaleRecord | None = None
@@ -292,8 +288,7 @@ class LossScaleFeature(Feature):
         return {LOSS_SCALE_HISTORY: lambda: None if self.monitor is None else self.monitor.history()}
 
     def on_scaler(self, ctx: EngineContext, scaler: Any, read_scale: str) -> None:
-        if read_scale not in ("at_batch_end", "when_settled"):
-            raise ValueError(f"read_scale can be 'at_batch_end' or 'when_settled', got {read_scale!r}")
+        # `Watcher.watch_scaler` checked both (readouts.checked_scaler) before dispatching this event.
         self.monitor = LossScaleMonitor(scaler, self.min_loss_scale, ctx.logger)
         self.reading = "at_batch_end" if read_scale == "at_batch_end" else "when_settled"
         # The first reading: the baseline a first skipped step is seen against (before any scale(), the initial
