@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import random
 import warnings
 import weakref
@@ -206,20 +207,12 @@ def test_a_nan_born_in_backward_is_replayed_through_the_window_until_it_reproduc
     full, _ = _accumulating("full", tmp_path / "full", watch_gradients=True)
     assert full.batch_number == 4
     replayed = _report_frames(tmp_path / "sentinel", 4)
-    # The replay's backward goes through `torch.autograd.grad` (no `.grad` is touched, no DDP hook fires): every
-    # module's gradient frame is there, value for value; the parameters' own `.grad` lines are not.
-    assert replayed == _without_parameter_gradients(_report_frames(tmp_path / "full", 4))
-    assert any(frame["class"].endswith("(backward)") for frame in replayed)
-    assert "parameters' .grad lines are not recorded" in sentinel.report
-
-
-def _without_parameter_gradients(frames: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    kept = []
-    for frame in frames:
-        entries = [entry for entry in frame["entries"] if entry["label"] not in ("grad weight", "grad bias")]
-        if entries:
-            kept.append({**frame, "entries": entries})
-    return kept
+    # The replay's backward accumulates into parameters of its own (no `.grad` of the run is touched, no DDP hook
+    # fires), summed over the window as `.grad` is: every frame full mode with watch_gradients records, value for
+    # value, the parameters' `grad weight` lines included.
+    assert replayed == _report_frames(tmp_path / "full", 4)
+    assert any(entry["label"] == "grad weight" for frame in replayed for entry in frame["entries"])
+    assert "the run's .grad and its hooks untouched" in sentinel.report
 
 
 # ------------------------------------------------------------------------------ fp16 and a GradScaler
@@ -266,7 +259,8 @@ def test_only_the_current_windows_inputs_are_kept() -> None:
     model = nn.Linear(4, 4)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     kept: list[weakref.ref[torch.Tensor]] = []
-    with nanwatch.watch(model, optimizer=optimizer, mode="sentinel") as handle:
+    # Kept by reference (copied, they would be let go at once): the references go with their window.
+    with nanwatch.watch(model, optimizer=optimizer, mode="sentinel", sentinel_copy_inputs="never") as handle:
         for index in range(4):
             x = torch.randn(2, 4)
             kept.append(weakref.ref(x))
@@ -616,12 +610,10 @@ class NormalisesItsInput(nn.Module):
         return y * float("nan") if large else y
 
 
-def test_an_input_the_forward_changed_in_place_is_not_replayable_and_never_blamed_on_the_hardware() -> None:
-    # Before: the replay ran the changed input (already divided), came out finite and said "not reproduced: look for
-    # a non-deterministic kernel, a race, or a hardware fault".
+def _normalising_run(**options: Any) -> NonFiniteError:
     torch.manual_seed(0)
     model = NormalisesItsInput()
-    handle = nanwatch.watch(model, mode="sentinel")
+    handle = nanwatch.watch(model, mode="sentinel", **options)
     for value in (1.0, 2.0):
         model(torch.full((1, 2), value))
         handle.step()
@@ -629,12 +621,85 @@ def test_an_input_the_forward_changed_in_place_is_not_replayable_and_never_blame
     with pytest.raises(NonFiniteError) as caught:
         handle.step()
     handle.close()
-    error = caught.value
+    return caught.value
+
+
+def test_an_input_the_forward_changed_in_place_is_not_replayable_and_never_blamed_on_the_hardware() -> None:
+    # Before: the replay ran the changed input (already divided), came out finite and said "not reproduced: look for
+    # a non-deterministic kernel, a race, or a hardware fault".
+    error = _normalising_run(sentinel_copy_inputs="never")
     assert error.replay == "not_replayable"
-    assert "not replayable: input[0] of micro-batch 2 changed in place" in error.report
+    assert "not replayable: input[0] of micro-batch 2 changed since" in error.report
     assert "hardware fault" not in error.report
     assert "not reproduced" not in error.report
-    assert "mode='full'" in error.report
+    assert "sentinel_copy_inputs='always'" in error.report
+
+
+def test_a_small_input_is_copied_so_a_forward_that_changes_it_in_place_is_replayed() -> None:
+    error = _normalising_run()  # sentinel_copy_inputs="auto": 8 bytes of input are copied when kept
+    assert error.replay == "reproduced", error.report
+    assert error.batch_number == 2  # the replay ran the input the forward was given, not the one it left behind
+    assert "hardware" not in error.report
+
+
+def test_an_input_over_the_copy_limit_is_kept_by_reference_under_auto() -> None:
+    from nanwatch.core.features.sentinel.kept import COPY_LIMIT_BYTES, kept_inputs
+
+    small, large = torch.ones(4), torch.ones(COPY_LIMIT_BYTES // 4 + 1)
+    args, _, versions, copied = kept_inputs((small,), {}, "auto")
+    assert copied
+    assert args[0] is not small
+    assert torch.equal(args[0], small)
+    assert not versions
+    args, _, versions, copied = kept_inputs((large,), {}, "auto")
+    assert not copied
+    assert args[0] is large
+    assert [label for label, _, _ in versions] == ["input[0]"]
+    args, kwargs, _, copied = kept_inputs((), {"x": large}, "always")
+    assert copied
+    assert kwargs["x"] is not large
+
+
+class RefilledBuffer(nn.Module):
+    """A nan when the input's first value is above 100, as the loop's preallocated buffer holds it at that call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(2, 2)
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        y = self.fc(batch["x"])
+        return y * float("nan") if bool(batch["x"][0, 0] > 100) else y
+
+
+@pytest.mark.parametrize("refill", ["copy_", "new tensor in the same dict"])
+def test_a_loop_that_refills_its_input_before_the_check_is_not_blamed_on_the_hardware(refill: str) -> None:
+    # A loop that refills one input buffer (CUDA-graph style) and checks only after the next refill, as the Accelerate
+    # adapter checks a micro-batch that does not step. Before: the replay ran the refilled values, said "not
+    # reproduced" and blamed the hardware.
+    torch.manual_seed(0)
+    model = RefilledBuffer()
+    batch = {"x": torch.full((1, 2), 1.0)}
+    values = (1.0, 2.0, 1000.0, 3.0)
+
+    def train() -> None:
+        for index in range(len(values) - 1):
+            model(batch)
+            # the loader prefetches the next micro-batch into the same buffer before the step is checked
+            if refill == "copy_":
+                batch["x"].copy_(torch.full((1, 2), values[index + 1]))
+            else:
+                batch["x"] = torch.full((1, 2), values[index + 1])
+            handle.step()
+
+    handle = nanwatch.watch(model, mode="sentinel", sentinel_copy_inputs="never")
+    with pytest.raises(NonFiniteError) as caught:
+        train()
+    handle.close()
+    assert caught.value.replay == "not_replayable", caught.value.report
+    assert caught.value.batch_number == 2
+    assert "not replayable: input[0] of micro-batch 2 changed since" in caught.value.report
+    assert "hardware fault" not in caught.value.report
 
 
 class CountsLate(nn.Module):
@@ -689,3 +754,254 @@ def test_the_error_says_which_verdict_the_replay_reached() -> None:
         with pytest.raises(NonFiniteError) as caught:
             handle.step()
     assert caught.value.replay is None
+
+
+# ------------------------------------------------------------------------------ gradients in the replay
+
+
+class WideHalf(nn.Module):
+    """float16 on the CPU: a forward and the gradients w.r.t. the output and the input stay small, while the weight's
+    gradient (a sum over 100 rows of 300 x 300) overflows float16: the classic fp16 weight-gradient overflow."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4).half()
+        with torch.no_grad():
+            self.fc.weight.fill_(1e-3)
+            self.fc.bias.zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x)
+
+
+def _weight_gradient_overflow(mode: str, deterministic: bool = False) -> NonFiniteError:
+    torch.manual_seed(0)
+    model = WideHalf()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-9)
+    options: dict[str, Any] = {"watch_gradients": True} if mode == "full" else {}
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(deterministic)
+    try:
+        with nanwatch.watch(model, optimizer=optimizer, mode=mode, **options) as handle:
+            for index in range(3):
+                x = torch.full((100, 4), 300.0 if index == 2 else 0.01, dtype=torch.float16)
+                (model(x) * 300).sum().backward()
+                try:
+                    optimizer.step()
+                    optimizer.zero_grad()
+                    handle.step()
+                except NonFiniteError as error:
+                    return error
+    finally:
+        torch.use_deterministic_algorithms(before)
+    raise AssertionError(f"{mode}: nothing detected")
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_an_fp16_weight_gradient_overflow_is_reproduced_at_its_parameter(deterministic: bool) -> None:
+    # Before: the replay's backward went through torch.autograd.grad and threw the gradients away; it came out
+    # finite and said "not reproduced: ... a hardware fault", also under deterministic algorithms.
+    full = _weight_gradient_overflow("full", deterministic)
+    sentinel = _weight_gradient_overflow("sentinel", deterministic)
+    assert sentinel.replay == "reproduced", sentinel.report
+    assert sentinel.batch_number == full.batch_number == 2
+    assert sentinel.module_name == full.module_name == "fc"
+    line = next(line for line in sentinel.report.splitlines() if line.endswith("grad weight"))
+    assert "inf" in line
+    assert "hardware fault" not in sentinel.report
+
+
+def test_the_replay_leaves_the_runs_gradients_and_parameter_hooks_alone() -> None:
+    torch.manual_seed(0)
+    model = WideHalf()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-9)
+    fired: list[str] = []
+    model.fc.weight.register_post_accumulate_grad_hook(lambda param: fired.append("user"))  # as DDP's would be
+    with nanwatch.watch(model, optimizer=optimizer, mode="sentinel"):
+        (model(torch.full((100, 4), 300.0, dtype=torch.float16)) * 300).sum().backward()
+        grad = model.fc.weight.grad.clone()
+        with pytest.raises(NonFiniteError) as caught:
+            optimizer.step()
+    assert caught.value.replay == "reproduced"
+    assert fired == ["user"], "the replay's backward fired a hook the run put on a parameter"
+    assert torch.equal(model.fc.weight.grad, grad), "the replay changed the run's .grad"
+    assert isinstance(model.fc.weight, nn.Parameter)
+    assert model.fc.weight.grad_fn is None
+
+
+class Scores(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(2, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x)
+
+
+def _loss_nan_gradient(out: torch.Tensor) -> torch.Tensor:
+    # Finite in value (torch.where picks 0 wherever sqrt(out) is nan), nan in gradient (0 times sqrt's nan gradient):
+    # the classic "safe sqrt" trap.
+    return torch.where(out > 0, out.sqrt(), 0.0).sum()
+
+
+def test_a_nan_born_in_the_loss_with_a_finite_output_is_said_to_be_born_in_the_loss() -> None:
+    # Before: the kept output gradient was non-finite, dropped, and the verdict fell through to "not reproduced".
+    torch.manual_seed(0)
+    model = Scores()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanwatch.watch(model, optimizer=optimizer, mode="sentinel"):
+        loss = _loss_nan_gradient(model(torch.randn(4, 2)))
+        assert torch.isfinite(loss)
+        loss.backward()
+        with pytest.raises(NonFiniteError) as caught:
+            optimizer.step()
+    error = caught.value
+    assert error.replay == "born_in_the_loss", error.report
+    assert error.module_name == "(loss)"
+    assert "born in the loss: the gradient w.r.t. the model's output in micro-batch 0" in error.report
+    assert "not reproduced" not in error.report
+    assert "hardware fault" not in error.report
+
+
+def test_output_gradients_are_summed_over_every_backward_pass() -> None:
+    # Two losses on one output, the nan-gradient one first: keeping only the last gradient (finite) replayed a finite
+    # backward and said "not reproduced".
+    torch.manual_seed(0)
+    model = Scores()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanwatch.watch(model, optimizer=optimizer, mode="sentinel"):
+        out = model(torch.randn(4, 2))
+        _loss_nan_gradient(out).backward(retain_graph=True)
+        out.pow(2).mean().backward()
+        with pytest.raises(NonFiniteError) as caught:
+            optimizer.step()
+    assert caught.value.replay == "born_in_the_loss", caught.value.report
+
+
+# ------------------------------------------------------------------------------ a second replay: which kind of fault
+
+_FAULTS: list[bool] = []  # module state no replay can restore: a nan injected once, as a flipped bit would be
+
+
+class FaultsOnce(nn.Module):
+    """Goes nan once (the first call after a fault is armed), and adds noise from the operating system's entropy when
+    `noisy`: a computation that differs from run to run."""
+
+    def __init__(self, noisy: bool) -> None:
+        super().__init__()
+        self.fc = nn.Linear(2, 2)
+        self.noisy = noisy
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.fc(x)
+        if self.noisy:
+            y = y + int.from_bytes(os.urandom(4), "little") * 1e-12
+        if _FAULTS and _FAULTS.pop():
+            y = y * float("nan")
+        return y
+
+
+@pytest.mark.parametrize(("noisy", "cause"), [(False, "transient_fault"), (True, "non_deterministic")])
+def test_two_finite_replays_tell_a_transient_fault_from_a_non_deterministic_computation(
+    noisy: bool, cause: str
+) -> None:
+    torch.manual_seed(0)
+    model = FaultsOnce(noisy)
+    with nanwatch.watch(model, mode="sentinel") as handle:
+        model(torch.ones(1, 2))
+        handle.step()
+        _FAULTS.append(True)
+        model(torch.ones(1, 2))
+        with pytest.raises(NonFiniteError) as caught:
+            handle.step()
+    error = caught.value
+    assert error.replay == "not_reproduced"
+    section = error.report
+    assert "replayed twice with everything restored" in section
+    if cause == "transient_fault":
+        assert "the same bits both times" in section
+        assert "transient fault" in section
+        assert "non-deterministic" not in section
+    else:
+        assert "differ from one replay to the other" in section
+        assert "torch.use_deterministic_algorithms(True)" in section
+        assert "transient fault" not in section
+
+
+class OwnDice(nn.Module):
+    """Draws from a generator of its own in forward, adds the draw to the output, and goes nan on a high one."""
+
+    def __init__(self, make_generator_late: bool = False) -> None:
+        super().__init__()
+        self.fc = nn.Linear(2, 2)
+        self.gen: torch.Generator | None = None if make_generator_late else torch.Generator().manual_seed(3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gen is None:
+            self.gen = torch.Generator().manual_seed(3)
+        draw = torch.rand((), generator=self.gen)
+        y = self.fc(x) + draw * 1e-3
+        return y * float("nan") if float(draw) > 0.8 else y
+
+
+def _own_dice_until_nan(model: OwnDice) -> NonFiniteError:
+    with nanwatch.watch(model, mode="sentinel") as handle:
+        for _ in range(50):
+            model(torch.ones(1, 2))
+            try:
+                handle.step()
+            except NonFiniteError as error:
+                return error
+    raise AssertionError("the dice never came up nan")
+
+
+def test_a_generator_the_model_holds_is_restored_for_the_replay_and_left_as_the_run_left_it() -> None:
+    model = OwnDice()
+    error = _own_dice_until_nan(model)
+    assert error.replay == "reproduced", error.report
+    draws = error.batch_number + 1
+    expected = torch.Generator().manual_seed(3)
+    for _ in range(draws):
+        torch.rand((), generator=expected)
+    assert model.gen is not None
+    assert torch.equal(model.gen.get_state(), expected.get_state())
+
+
+def test_a_generator_made_after_watching_began_is_named_as_not_restored() -> None:
+    model = OwnDice(make_generator_late=True)
+    error = _own_dice_until_nan(model)
+    assert error.replay == "not_replayable", error.report
+    assert "the generator 'gen' (made after watching began" in error.report
+    assert "hardware" not in error.report.split("not replayable")[1].split("Nothing here")[0]
+
+
+class KeepsACache:
+    def __init__(self) -> None:
+        self.hits = 0
+
+
+class CachingForward(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(2, 2)
+        self.cache = KeepsACache()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.cache.hits += 1
+        y = self.fc(x)
+        return y * float("nan") if self.cache.hits == 3 else y
+
+
+def test_an_object_the_model_holds_gets_its_attributes_back_after_the_replay() -> None:
+    model = CachingForward()
+    handle = nanwatch.watch(model, mode="sentinel")
+    for _ in range(2):
+        model(torch.ones(1, 2))
+        handle.step()
+    model(torch.ones(1, 2))
+    with pytest.raises(NonFiniteError) as caught:
+        handle.step()
+    handle.close()
+    # The replay's forward counted a fourth hit on the live object; it was put back to the run's three.
+    assert model.cache.hits == 3
+    assert caught.value.batch_number == 2

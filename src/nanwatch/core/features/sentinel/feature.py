@@ -12,11 +12,28 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_leaves
 
 from nanwatch.core.events import EngineContext, Feature, OptimizerStage, Phase
-from nanwatch.core.features.sentinel.kept import MAX_WINDOW, Call, MicroBatch, refuse_what_the_forward_consumes
+from nanwatch.core.features.sentinel import generators as own_generators
+from nanwatch.core.features.sentinel.kept import (
+    MAX_WINDOW,
+    Call,
+    MicroBatch,
+    kept_inputs,
+    refuse_what_the_forward_consumes,
+)
 from nanwatch.core.features.sentinel.outputs import Seen, float_leaves, holds_non_finite, look_at, unreadable
-from nanwatch.core.features.sentinel.replay import not_replayable, not_reproduced, reproduced, run_again
+from nanwatch.core.features.sentinel.replay import (
+    born_in_the_loss,
+    not_replayable,
+    not_reproduced,
+    not_restored,
+    replay_window,
+    reproduced,
+    same_numbers,
+    unreplayed,
+)
 from nanwatch.core.frames import Frame, Role
 from nanwatch.core.hooks import reshards_after_forward
 from nanwatch.core.log import warn
@@ -43,12 +60,14 @@ class SentinelFeature(Feature):
         self._as_first_began: dict[str, torch.Tensor] | None = None  # the buffers before the first micro-batch
         self._referenced: dict[str, int] = {}  # the version counters of the buffers kept by reference, last seen
         self._saidunreadable = False  # an output with no floating-point tensor in it was warned about
+        self._generators: list[own_generators.OwnGenerator] = []  # those the model holds, kept with every call
 
     def attach(self, ctx: EngineContext, modules: Sequence[tuple[str, torch.nn.Module]]) -> None:
         self._ctx = ctx
         self._active = True
         self._buffers = list(ctx.model.named_buffers())
         self._sharded = any(_shards_parameters(module) for module in ctx.model.modules())
+        self._generators = own_generators.held_by(ctx.model)
         if ctx.entry is not ctx.model:  # a wrapper (DDP, torch.compile): hooked outside it, replayed on the model
             hooked = [(ctx.entry, ctx.model)]
         elif any(module is ctx.model for _, module in modules):  # the model the loop calls
@@ -64,13 +83,16 @@ class SentinelFeature(Feature):
         self._active = False
 
     def held_bytes(self) -> int:
-        """Memory this feature keeps alive that the run would otherwise free: the copies of changing buffers and the
-        gradients w.r.t. the model's output, over the window (inputs are references to the caller's tensors)."""
+        """Memory this feature keeps alive that the run would otherwise free, over the window: the copies of changing
+        buffers and of small inputs (sentinel_copy_inputs), and the gradients w.r.t. the model's output."""
+        own = {name: buffer for name, buffer in self._buffers}
         total = 0
         for micro in self._window:
-            own = {name: buffer for name, buffer in self._buffers}
             total += sum(copy.nbytes for name, copy in micro.buffers.items() if copy is not own.get(name))
-            total += sum(grad.nbytes for call in micro.calls for grad in call.output_grads.values())
+            for call in micro.calls:
+                total += sum(grad.nbytes for grad in call.output_grads.values())
+                if call.copied:
+                    total += sum(leaf.nbytes for leaf in tree_leaves((call.args, call.kwargs)) if _is_tensor(leaf))
         return total
 
     def close(self, ctx: EngineContext) -> None:
@@ -93,7 +115,9 @@ class SentinelFeature(Feature):
             try:
                 micro = self._micro_batch(ctx.batch_number)
                 state = capture_rng_states(numpy=True), autocast_state(), torch.is_grad_enabled()
-                micro.calls.append(Call(runner, tuple(args), dict(kwargs), *state))
+                kept_args, kept_kwargs, versions, copied = kept_inputs(args, kwargs, ctx.config.sentinel_copy_inputs)
+                own_rng = own_generators.capture(self._generators)
+                micro.calls.append(Call(runner, kept_args, kept_kwargs, *state, {}, versions, copied, own_rng))
             except Exception as error:  # a bug of ours: never raised in the user's forward, watching stops instead
                 ctx.disable(f"sentinel mode could not keep the inputs of {type(module).__name__}: {error!r}")
 
@@ -161,8 +185,9 @@ class SentinelFeature(Feature):
 
     def _keep_gradient(self, call: Call, label: str) -> Any:
         def hook(grad: torch.Tensor) -> None:
-            if self._active:
-                call.output_grads[label] = grad  # read only on a replay
+            if self._active:  # read only on a replay; summed over every backward through this output (two losses)
+                kept = call.output_grads.get(label)
+                call.output_grads[label] = grad if kept is None else kept + grad
 
         return hook
 
@@ -207,71 +232,87 @@ class SentinelFeature(Feature):
     def judge(self, ctx: EngineContext, report: Report, checked: Sequence[Frame]) -> Report | None:
         if not self._active or report.section("replay") is not None:
             return report
-        if report.phase != "train":
-            note = "an evaluation forward is checked, not replayed (its inputs are not kept)"
-            return report.with_section(
-                ReportSection("replay", 30, (note,), {"reproduced": None, "verdict": "not_replayable"})
-            )
+        refused = self._refusal(report)
+        if refused is not None:
+            return unreplayed(report, refused)
         seen = report.section("sentinel")
-        loss_first = any(
-            entry.role is Role.LOSS and entry.non_finite for frame in report.frames for entry in frame.entries
-        )
-        if loss_first and seen is None:  # the model's output was finite: there is nothing inside it to replay
-            note = "not replayed: the inf/nan first appeared in the loss, computed outside the model from its output"
-            return report.with_section(
-                ReportSection("replay", 30, (note,), {"reproduced": None, "verdict": "not_replayable"})
-            )
-        if self._sharded:
-            note = (
-                "not replayed: the model's parameters are sharded (FSDP), and a forward on this rank alone would "
-                "gather them through collectives no other rank runs; run with mode='full' to see every module"
-            )
-            return report.with_section(
-                ReportSection("replay", 30, (note,), {"reproduced": None, "verdict": "not_replayable"})
-            )
         if seen is not None:  # seen at the output of a known micro-batch: that one is replayed
             window = [micro for micro in self._window if micro.batch_number == seen.payload]
         else:  # seen in the gradients the step would apply: any micro-batch of the window may have put it there
             window = [micro for micro in self._window if micro.batch_number <= report.batch_number]
         if not window:
-            note = "no micro-batch was kept to replay (watching began after its forward)"
-            return report.with_section(
-                ReportSection("replay", 30, (note,), {"reproduced": None, "verdict": "not_replayable"})
-            )
+            return unreplayed(report, "no micro-batch was kept to replay (watching began after its forward)")
         # inf/nan in the model's output: its forward is where it began. Only in the gradients: the backward is
-        # replayed too, driven by the gradient w.r.t. the output kept from the first run, when that one was finite
-        # (a non-finite one came in from the loss, and running the model's backward from it would prove nothing).
+        # replayed too, driven by the gradient w.r.t. the output kept from the first run; a kept gradient that is
+        # itself non-finite came in from the loss, and that is the finding.
         backward = seen is None and report.section("gradients") is not None
-        unreplayable = [what for micro in window for what in micro.changed()]
+        if backward:
+            from_loss = _non_finite_output_gradient(window)
+            if from_loss is not None:
+                return born_in_the_loss(report, *from_loss)
+        changed = [what for micro in window for what in micro.changed()]
         window = [micro for micro in window if not micro.changed()]  # replaying those would run other values
         try:
-            for micro in window:
-                found = ctx.rerun(
-                    lambda micro=micro: run_again(ctx, micro, backward=backward),  # type: ignore[misc]
-                    batch_number=micro.batch_number,
-                    phase="train",
-                    gradients=backward,
-                )
-                if found is not None:
-                    return reproduced(found, report, micro, backward=backward)
+            return self._replay(ctx, report, window, backward=backward, changed=changed)
         except Exception as error:  # the replay's own failure never replaces the detection
             line = f"the replay of this micro-batch failed: {error!r}; the detection above is what the sentinel saw"
-            return report.with_section(
-                ReportSection(
-                    "replay", 30, (line,), {"reproduced": None, "verdict": "not_replayable", "error": repr(error)}
-                )
+            return unreplayed(report, line, error=repr(error))
+
+    def _refusal(self, report: Report) -> str | None:
+        """Why this detection is not replayed at all, or None."""
+        if report.phase != "train":
+            return "an evaluation forward is checked, not replayed (its inputs are not kept)"
+        loss_first = any(
+            entry.role is Role.LOSS and entry.non_finite for frame in report.frames for entry in frame.entries
+        )
+        if loss_first and report.section("sentinel") is None:  # the model's output was finite: nothing to replay
+            return "not replayed: the inf/nan first appeared in the loss, computed outside the model from its output"
+        if self._sharded:
+            return (
+                "not replayed: the model's parameters are sharded (FSDP), and a forward on this rank alone would "
+                "gather them through collectives no other rank runs; run with mode='full' to see every module"
             )
-        if unreplayable:
-            return not_replayable(report, unreplayable)
-        return not_reproduced(report, window, ctx.world_size)
+        return None
+
+    def _replay(
+        self, ctx: EngineContext, report: Report, window: list[MicroBatch], *, backward: bool, changed: list[str]
+    ) -> Report:
+        """Replay the window; a second time when the first stays finite, to tell a computation that differs from
+        run to run from one that repeats itself (a transient fault)."""
+        first = replay_window(ctx, window, backward=backward, generators=self._generators)
+        if first.found is not None and first.micro is not None:
+            return reproduced(first.found, report, first.micro, backward=backward)
+        if changed:  # what was replayed stayed finite, and the rest could not be: nothing to conclude from that
+            return not_replayable(report, changed)
+        second = replay_window(ctx, window, backward=backward, generators=self._generators)
+        if second.found is not None and second.micro is not None:
+            return reproduced(second.found, report, second.micro, backward=backward, second=True)
+        agree = same_numbers(first, second)
+        kept = {id(generator.generator) for generator in self._generators}
+        unsaved = [
+            f"the generator {generator.name!r} (made after watching began, so its state was not kept)"
+            for generator in own_generators.held_by(ctx.model)
+            if id(generator.generator) not in kept
+        ]
+        if not agree and unsaved:
+            return not_restored(report, unsaved)
+        return not_reproduced(report, window, ctx.world_size, replays_agree=agree)
+
+
+def _non_finite_output_gradient(window: Sequence[MicroBatch]) -> tuple[MicroBatch, str] | None:
+    """The first kept gradient w.r.t. the model's output that is inf/nan, by micro-batch and label (slow path)."""
+    for micro in window:
+        for call in micro.calls:
+            for label, grad in call.output_grads.items():
+                if not bool(torch.isfinite(grad).all()):
+                    return micro, label
+    return None
+
+
+def _is_tensor(value: Any) -> bool:
+    return isinstance(value, torch.Tensor)
 
 
 def _shards_parameters(module: torch.nn.Module) -> bool:
     # FSDP2 (`fully_shard`) and FSDP1 wrappers; nanwatch imports neither (core/hooks.py checks FSDP2 the same way).
     return reshards_after_forward(module) or type(module).__name__ == "FullyShardedDataParallel"
-
-
-def _unreplayed(report: Report, line: str, **more: str) -> Report:
-    """The detection's report with why it was not replayed (a verdict of its own: never "not reproduced")."""
-    data = {"reproduced": None, "verdict": "not_replayable", **more}
-    return report.with_section(ReportSection("replay", 30, (line,), data))
