@@ -38,14 +38,6 @@ class WatchConfig(BaseModel):
         "about to be applied are checked (one pass over the output and the gradients), and when one is inf/nan the "
         "failing micro-batch is run again with full watching to write the same report (a replay).",
     )
-    sentinel_copy_inputs: Literal["auto", "always", "never"] = Field(
-        "auto",
-        description="Sentinel mode: whether each training call's inputs are copied when kept for a replay. "
-        '"auto": copied when they hold 1 MiB or less in all (token ids, small images: one small copy), kept by '
-        'reference otherwise; "always": copied whatever their size; "never": kept by reference. An input kept by '
-        "reference that changes before the replay (a forward that changes it in place, a loop that refills a "
-        'preallocated buffer) makes the verdict "not replayable", never "not reproduced".',
-    )
     max_frames_to_save: int = Field(
         21,
         ge=1,
@@ -160,6 +152,14 @@ class WatchConfig(BaseModel):
         "ends. The thresholds are put back at the check (thresholds you set meanwhile stay), and a pause that no "
         "micro-batch renews for 30 s (a loop abandoned mid-batch) ends by itself. gc.disable(), gc.enable() and "
         "gc.isenabled() stay yours: nanwatch never calls them. False: nanwatch never touches the collector.",
+    )
+    sentinel_copy_inputs: Literal["auto", "always", "never"] = Field(
+        "auto",
+        description="Sentinel mode: whether each training call's inputs are copied when kept for a replay. "
+        '"auto": copied when they hold 1 MiB or less in all (token ids, small images: one small copy), kept by '
+        'reference otherwise; "always": copied whatever their size; "never": kept by reference. An input kept by '
+        "reference that changes before the replay (a forward that changes it in place, a loop that refills a "
+        'preallocated buffer) makes the verdict "not replayable", never "not reproduced".',
     )
 
     if not TYPE_CHECKING:  # type checkers keep the signature pydantic's plugin gives: one argument per field
