@@ -24,14 +24,13 @@ from nanwatch.core.features.sentinel.kept import (
     refuse_what_the_forward_consumes,
 )
 from nanwatch.core.features.sentinel.outputs import Seen, float_leaves, holds_non_finite, look_at, unreadable
-from nanwatch.core.features.sentinel.replay import (
+from nanwatch.core.features.sentinel.replay import replay_window, same_numbers
+from nanwatch.core.features.sentinel.verdicts import (
     born_in_the_loss,
     not_replayable,
     not_reproduced,
     not_restored,
-    replay_window,
     reproduced,
-    same_numbers,
     unreplayed,
 )
 from nanwatch.core.frames import Frame, Role
