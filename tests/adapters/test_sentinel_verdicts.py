@@ -118,6 +118,10 @@ def test_accelerate_a_refilled_buffer_kept_by_reference_is_not_replayable(tmp_pa
     assert started[-1] == LARGE_AT + 1, "detected before the loop refilled the buffer: nothing is exercised"
     assert error.replay == "not_replayable", error.report
     assert error.batch_number == LARGE_AT
+    assert error.module_name is None  # nothing was replayed: no module's frame holds it
+    # The only frames recorded are the loss's: no culprit may say the loss made it from a finite output.
+    assert error.culprit is None
+    assert "computed outside the watched modules" not in error.report
     assert f"not replayable: input[0] of micro-batch {LARGE_AT} changed since" in error.report
     assert "the sentinel saw inf/nan in output of the model" in error.report
     assert HARDWARE not in error.report
@@ -132,6 +136,8 @@ def test_accelerate_a_refilled_buffer_copied_by_default_is_reproduced(tmp_path: 
     assert started[-1] == LARGE_AT + 1, "detected before the loop refilled the buffer: nothing is exercised"
     assert error.replay == "reproduced", error.report
     assert error.batch_number == LARGE_AT
+    assert error.culprit is not None
+    assert error.culprit.class_name == "NanWhenLarge"  # the top-level model's own code multiplied by nan
     assert f"{REPLAYED} {LARGE_AT} " in error.report
     assert HARDWARE not in error.report
     assert "not replayable" not in error.report
@@ -243,12 +249,12 @@ def test_lightning_a_nan_gradient_loss_in_training_step_is_born_in_the_loss(tmp_
     error = caught.value
     assert module.trapped == [(True, True)], "the loss must be finite, with a negative output to take sqrt of"
     assert error.replay == "born_in_the_loss", error.report
-    assert error.batch_number == 3  # checked before the step of the window {2, 3}
+    assert error.batch_number == trap_at  # checked before the step of the window {2, 3}, named where it was born
     assert error.module_name == "(loss)"
     assert f"born in the loss: the gradient w.r.t. the model's output in micro-batch {trap_at}" in error.report
     assert "not reproduced" not in error.report
     assert HARDWARE not in error.report
-    section = _replay_section(tmp_path / "reports", 3)
+    section = _replay_section(tmp_path / "reports", trap_at)
     assert section["verdict"] == "born_in_the_loss"
     assert section["micro_batch"] == trap_at
 
@@ -380,6 +386,8 @@ def test_hf_trainer_an_input_the_forward_changes_in_place_is_copied_and_reproduc
     assert trainer.state.global_step == X_LARGE_AT
     assert error.replay == "reproduced", error.report
     assert error.batch_number == X_LARGE_AT  # the replay ran the x the forward was given, not the one it left
+    assert error.culprit is not None
+    assert error.culprit.class_name == "Regressor"
     assert f"{REPLAYED} {X_LARGE_AT} " in error.report
     assert "the sentinel saw inf/nan in output.logits of the model" in error.report
     assert HARDWARE not in error.report

@@ -646,16 +646,16 @@ def test_an_input_over_the_copy_limit_is_kept_by_reference_under_auto() -> None:
     from nanwatch.core.features.sentinel.kept import COPY_LIMIT_BYTES, kept_inputs
 
     small, large = torch.ones(4), torch.ones(COPY_LIMIT_BYTES // 4 + 1)
-    args, _, versions, copied = kept_inputs((small,), {}, "auto")
+    args, _, versions, copied, _ = kept_inputs((small,), {}, "auto")
     assert copied
     assert args[0] is not small
     assert torch.equal(args[0], small)
     assert not versions
-    args, _, versions, copied = kept_inputs((large,), {}, "auto")
+    args, _, versions, copied, _ = kept_inputs((large,), {}, "auto")
     assert not copied
     assert args[0] is large
     assert [label for label, _, _ in versions] == ["input[0]"]
-    args, kwargs, _, copied = kept_inputs((), {"x": large}, "always")
+    _, kwargs, _, copied, _ = kept_inputs((), {"x": large}, "always")
     assert copied
     assert kwargs["x"] is not large
 
@@ -1005,3 +1005,18 @@ def test_an_object_the_model_holds_gets_its_attributes_back_after_the_replay() -
     # The replay's forward counted a fourth hit on the live object; it was put back to the run's three.
     assert model.cache.hits == 3
     assert caught.value.batch_number == 2
+
+
+def test_a_nan_gradient_made_by_a_later_call_of_the_model_is_not_blamed_on_the_loss() -> None:
+    # model(model(x) * 1000): the second call's backward makes the nan, and the gradient kept for the first call's
+    # output holds it although the loss did nothing wrong. The replay runs both backwards and finds it there.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), BackwardFaultAt(50.0))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanwatch.watch(model, optimizer=optimizer, mode="sentinel") as handle:
+        model(model(torch.ones(2, 4)) * 1000).sum().backward()
+        with pytest.raises(NonFiniteError) as caught:
+            optimizer.step()
+    error = caught.value
+    assert error.replay == "reproduced", error.report
+    assert error.module_name == "1.nan"

@@ -114,9 +114,11 @@ class SentinelFeature(Feature):
             try:
                 micro = self._micro_batch(ctx.batch_number)
                 state = capture_rng_states(numpy=True), autocast_state(), torch.is_grad_enabled()
-                kept_args, kept_kwargs, versions, copied = kept_inputs(args, kwargs, ctx.config.sentinel_copy_inputs)
+                kept = kept_inputs(args, kwargs, ctx.config.sentinel_copy_inputs)
                 own_rng = own_generators.capture(self._generators)
-                micro.calls.append(Call(runner, kept_args, kept_kwargs, *state, {}, versions, copied, own_rng))
+                micro.calls.append(
+                    Call(runner, kept.args, kept.kwargs, *state, {}, kept.versions, kept.copied, own_rng, kept.fed)
+                )
             except Exception as error:  # a bug of ours: never raised in the user's forward, watching stops instead
                 ctx.disable(f"sentinel mode could not keep the inputs of {type(module).__name__}: {error!r}")
 
@@ -299,8 +301,12 @@ class SentinelFeature(Feature):
 
 
 def _non_finite_output_gradient(window: Sequence[MicroBatch]) -> tuple[MicroBatch, str] | None:
-    """The first kept gradient w.r.t. the model's output that is inf/nan, by micro-batch and label (slow path)."""
+    """The first kept gradient w.r.t. the model's output that is inf/nan, by micro-batch and label (slow path). Not
+    in a micro-batch where a call took an input that carries a graph (`model(model(x))`): an earlier call's output
+    gradient may then have come through the model's own backward, which the replay runs to tell."""
     for micro in window:
+        if any(call.fed for call in micro.calls):
+            continue
         for call in micro.calls:
             for label, grad in call.output_grads.items():
                 if not bool(torch.isfinite(grad).all()):

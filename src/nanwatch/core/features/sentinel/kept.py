@@ -8,12 +8,20 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import torch
 from torch.utils._pytree import tree_leaves, tree_map_only
 
-__all__ = ["COPY_LIMIT_BYTES", "Call", "MAX_WINDOW", "MicroBatch", "kept_inputs", "refuse_what_the_forward_consumes"]
+__all__ = [
+    "COPY_LIMIT_BYTES",
+    "Call",
+    "Kept",
+    "MAX_WINDOW",
+    "MicroBatch",
+    "kept_inputs",
+    "refuse_what_the_forward_consumes",
+]
 
 # Micro-batches kept at most (a loop that never steps an optimizer would otherwise keep every one).
 MAX_WINDOW = 64
@@ -42,6 +50,7 @@ class Call:
     versions: list[tuple[str, torch.Tensor, int]] = field(default_factory=list)
     copied: bool = False
     own_rng: list[Any] = field(default_factory=list)  # the states of the generators the model holds (generators.py)
+    fed: bool = False  # an input carried an autograd graph (Kept.fed)
 
     def changed_inputs(self) -> list[str]:
         """The inputs changed since the call, by label: changed in place, or another tensor put in their place (a
@@ -100,18 +109,29 @@ def _input_tensors(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Iterator
 CopyInputs = Literal["auto", "always", "never"]
 
 
-def kept_inputs(
-    args: tuple[Any, ...], kwargs: dict[str, Any], copy: CopyInputs
-) -> tuple[tuple[Any, ...], dict[str, Any], list[tuple[str, torch.Tensor, int]], bool]:
-    """What a call's replay will be given: `(args, kwargs, versions, copied)`. Copies (containers and tensors, each
-    tensor detached, its requires_grad kept) when `copy` asks for them ("auto": up to COPY_LIMIT_BYTES in all);
-    references otherwise, with each tensor's version counter to tell a change before the replay."""
+class Kept(NamedTuple):
+    """A call's inputs as its replay will be given them."""
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    versions: list[tuple[str, torch.Tensor, int]]  # the tensors kept by reference, with their version counters
+    copied: bool
+    # An input carries an autograd graph (the output of an earlier call, or of the user's code on something that
+    # requires grad): the gradient w.r.t. an earlier output may then have come through the model's own backward.
+    fed: bool
+
+
+def kept_inputs(args: tuple[Any, ...], kwargs: dict[str, Any], copy: CopyInputs) -> Kept:
+    """What a call's replay will be given. Copies (containers and tensors, each tensor detached, its requires_grad
+    kept) when `copy` asks for them ("auto": up to COPY_LIMIT_BYTES in all); references otherwise, with each tensor's
+    version counter to tell a change before the replay."""
     tensors = list(_input_tensors(args, kwargs))
+    fed = any(tensor.grad_fn is not None for _, tensor, _ in tensors)
     if copy == "always" or (copy == "auto" and _bytes(tensors) <= COPY_LIMIT_BYTES):
         with torch.no_grad():
             args, kwargs = tree_map_only(torch.Tensor, _copy, (args, kwargs))
-        return args, kwargs, [], True
-    return tuple(args), dict(kwargs), tensors, False
+        return Kept(args, kwargs, [], True, fed)
+    return Kept(tuple(args), dict(kwargs), tensors, False, fed)
 
 
 def _bytes(tensors: list[tuple[str, torch.Tensor, int]]) -> float:

@@ -77,7 +77,9 @@ def born_in_the_loss(report: Report, micro: MicroBatch, label: str) -> Report:
         "whose other branch is inf/nan: its gradient is nan even where it is not chosen). Nothing was replayed, and "
         "nothing here points at the hardware."
     )
-    report = dataclasses.replace(report, module_name="(loss)")
+    # The micro-batch whose loss made it, as a reproduced verdict names the micro-batch it replayed (the detection
+    # was at the step, after the window's last micro-batch).
+    report = dataclasses.replace(report, module_name="(loss)", batch_number=micro.batch_number)
     data = {"reproduced": None, "verdict": "born_in_the_loss", "micro_batch": micro.batch_number, "output": label}
     return report.with_section(ReportSection("replay", 30, (line,), data))
 
@@ -103,8 +105,8 @@ def not_reproduced(report: Report, window: Sequence[MicroBatch], world_size: int
         )
         line += "."
         cause = "non_deterministic"
-    if report.section("sentinel") is not None:  # seen at the model's output: no module's frame holds it
-        report = dataclasses.replace(report, module_name=None)
+    if report.section("sentinel") is not None:
+        report = _at_the_output(report)
     elif world_size > 1:  # seen only in the gradients, which the all-reduce averaged over every rank's micro-batch
         line += (
             " With several ranks, the gradients are averaged over all of them: the nan may have come from another "
@@ -124,8 +126,7 @@ def not_replayable(report: Report, changed: Sequence[str]) -> Report:
         "reference. Nothing here points at the hardware. To see where inf/nan began, run with "
         "sentinel_copy_inputs='always', with mode='full', or with capture_on_detect=True and replay the file."
     )
-    if report.section("sentinel") is not None:  # seen at the model's output: no module's frame holds it
-        report = dataclasses.replace(report, module_name=None)
+    report = _at_the_output(report)
     data = {"reproduced": None, "verdict": "not_replayable", "changed": list(changed)}
     return report.with_section(ReportSection("replay", 30, (line,), data))
 
@@ -138,8 +139,7 @@ def not_restored(report: Report, unsaved: Sequence[str]) -> Report:
         "at the hardware. Create it before watching begins (its state is then kept with every call), or run with "
         "mode='full'."
     )
-    if report.section("sentinel") is not None:
-        report = dataclasses.replace(report, module_name=None)
+    report = _at_the_output(report)
     data = {"reproduced": None, "verdict": "not_replayable", "not_restored": list(unsaved)}
     return report.with_section(ReportSection("replay", 30, (line,), data))
 
@@ -147,7 +147,18 @@ def not_restored(report: Report, unsaved: Sequence[str]) -> Report:
 def unreplayed(report: Report, line: str, **more: Any) -> Report:
     """The detection's report with why it was not replayed at all (a verdict of its own: never "not reproduced")."""
     data = {"reproduced": None, "verdict": "not_replayable", **more}
-    return report.with_section(ReportSection("replay", 30, (line,), data))
+    return _at_the_output(report).with_section(ReportSection("replay", 30, (line,), data))
+
+
+def _at_the_output(report: Report) -> Report:
+    """A detection the sentinel saw at the model's output, unreplayed or unreproduced: no module's frame holds it, and
+    a culprit drawn from the only frames recorded (a loss's) would say the loss made it from a finite output."""
+    if report.section("sentinel") is None:
+        return report
+    culprit = report.culprit
+    if culprit is not None and getattr(culprit, "kind", None) == "loss":
+        report = dataclasses.replace(report, sections=tuple(s for s in report.sections if s.key != "culprit"))
+    return dataclasses.replace(report, module_name=None)
 
 
 def _pinning() -> str:
