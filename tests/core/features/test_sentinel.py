@@ -1013,7 +1013,7 @@ def test_a_nan_gradient_made_by_a_later_call_of_the_model_is_not_blamed_on_the_l
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), BackwardFaultAt(50.0))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    with nanwatch.watch(model, optimizer=optimizer, mode="sentinel") as handle:
+    with nanwatch.watch(model, optimizer=optimizer, mode="sentinel"):
         model(model(torch.ones(2, 4)) * 1000).sum().backward()
         with pytest.raises(NonFiniteError) as caught:
             optimizer.step()
