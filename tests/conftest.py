@@ -19,6 +19,17 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.slow)
 
 
+@pytest.fixture(autouse=True)
+def _nanwatch_logger_as_it_was() -> Iterator[None]:
+    """Whatever a test (or a page of the docs it runs) does to the `nanwatch` logger is undone after it: a level left
+    at CRITICAL once hid every report of the tests that ran after it."""
+    logger = logging.getLogger("nanwatch")
+    state = (logger.level, logger.disabled, logger.propagate, list(logger.handlers))
+    yield
+    logger.setLevel(state[0])
+    logger.disabled, logger.propagate, logger.handlers[:] = state[1], state[2], state[3]
+
+
 @pytest.fixture
 def nanwatch_log(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCaptureFixture]:
     """caplog for the `nanwatch` logger, which does not propagate to the root logger caplog listens on."""

@@ -143,8 +143,11 @@ class ScaleAfterStep:
         """A micro-batch ended: its optimizer step is done, or will be by the next forward."""
         self._unread = True
 
-    def read(self) -> None:
-        """Read the scale of the last micro-batch's step, if not read yet; may raise `LossScaleBelowFloor`."""
+    def read(self, *, in_hook: bool = False) -> None:
+        """Read the scale of the last micro-batch's step, if not read yet; may raise `LossScaleBelowFloor`.
+
+        `in_hook`: called from a forward pre-hook, where reading a GPU's scale would wait for the GPU: the scale is
+        copied there and read with the next check (the "settling" stage)."""
         if self._unread:
             self._unread = False
-            self._watcher.on_optimizer_step("settled")
+            self._watcher.on_optimizer_step("settling" if in_hook else "settled")

@@ -81,7 +81,7 @@ class WatchHandle(_common.UserHandle):
             if training:
                 # The first forward of a micro-batch: the previous one's scaler.step() and update() are done, whether
                 # step() came before or after them, so a change of the scale seen now is that micro-batch's.
-                self._scale.read()
+                self._scale.read(in_hook=True)
             self.watcher.start_batch("train" if training else "eval")
 
         _common.stop_on_error(self.watcher, start)

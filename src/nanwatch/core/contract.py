@@ -99,8 +99,10 @@ class AdapterContract(EngineState, Protocol):
     ) -> None:
         """An optimizer step is at `stage`: "guarded" (the adapter will report "before" for each of its steps),
         "before" it applies the gradients (the recorded frames and the gradients are checked, and every rank agrees:
-        a step that would apply inf/nan never runs), "after" it ran (counted), or "settled" (the loss scaler decided
-        the last micro-batch's step). `optimizer_step`: the framework's own count of completed steps, if it keeps one.
+        a step that would apply inf/nan never runs), "after" it ran (counted), "settled" (the loss scaler decided
+        the last micro-batch's step), or "settling" (the same, said from inside a hook: the scale is copied on its
+        device and read at the next check, never synchronising in the hook). `optimizer_step`: the framework's own count
+        of completed steps, if it keeps one.
         """
 
     def guards(self, optimizer: torch.optim.Optimizer) -> bool:

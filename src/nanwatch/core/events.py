@@ -44,8 +44,9 @@ __all__ = ["KEEP", "EngineContext", "EngineState", "Feature", "Kept", "Optimizer
 Phase = Literal["train", "eval"]
 # "guarded": an adapter will report "before" for each step of this optimizer; "before": the optimizer is about to
 # apply the gradients; "after": its step ran; "settled": the loss scaler has decided the last micro-batch's step and
-# updated its scale (the scale can be read).
-OptimizerStage = Literal["guarded", "before", "after", "settled"]
+# updated its scale (the scale can be read); "settling": the same, said from inside a hook (the next micro-batch's
+# forward), where the scale is copied on its device and read with the next check instead (no host sync in a hook).
+OptimizerStage = Literal["guarded", "before", "after", "settled", "settling"]
 
 
 class _Keep(enum.Enum):

@@ -1,8 +1,12 @@
-"""core/amp.py: nanwatch under a real `torch.amp.GradScaler` on the CPU, with float16 and bfloat16 autocast.
+"""core/features/loss_scale.py: nanwatch under a real `torch.amp.GradScaler` on the CPU, with float16 and bfloat16
+autocast.
 
 Inf gradients on steps the scaler skips are expected (recorded, the run goes on, the scale history kept); a scale
 below `min_loss_scale`, non-finite activations or a non-finite loss, and inf/nan gradients on a step the scaler lets
 through stop the run.
+
+Every test runs twice: with the scale read at once, as on the CPU, and copied in the plain loop's forward pre-hook
+and read with the check, as on a GPU (where reading it in the hook would make the host wait for the device).
 """
 
 from __future__ import annotations
@@ -19,9 +23,19 @@ from tests.models import InfInBackward, small_mlp
 from torch import nn
 
 from nanwatch import ConfigError, LossScaleBelowFloor, NonFiniteError, WatchConfig, WatchHandle, watch
+from nanwatch.core.features import loss_scale as loss_scale_feature
 from nanwatch.core.features.loss_scale import LossScaleHistory, ScaleRecord
 from nanwatch.core.frames import resolve
 from nanwatch.core.watcher import Watcher
+
+COPIED = "copied in the hook"
+
+
+@pytest.fixture(autouse=True, params=["read at once", COPIED])
+def scale_reading(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    if request.param == COPIED:  # as on a GPU: no device reads the scale at once
+        monkeypatch.setattr(loss_scale_feature, "READ_AT_ONCE_ON", frozenset())
+    return str(request.param)
 
 
 def _fp16_model() -> nn.Linear:
@@ -239,11 +253,13 @@ def _scaled_steps(
         handle.step()
 
 
-def test_the_scale_falling_below_the_floor_stops_the_run_with_its_history(tmp_path: Path) -> None:
+def test_the_scale_falling_below_the_floor_stops_the_run_with_its_history(tmp_path: Path, scale_reading: str) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), InfInBackward(), nn.Linear(4, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = torch.amp.GradScaler("cpu", init_scale=8.0)
+    forwards = []  # forwards that ran to their end
+    model.register_forward_hook(lambda module, args, output: forwards.append(1))
     handle = watch(model, optimizer=optimizer, scaler=scaler, watch_gradients=True, report_dir=tmp_path)
     with pytest.raises(LossScaleBelowFloor) as info:
         _scaled_steps(model, optimizer, scaler, handle, 10)
@@ -253,21 +269,49 @@ def test_the_scale_falling_below_the_floor_stops_the_run_with_its_history(tmp_pa
     assert error.batch_number == 3  # 8 -> 4 -> 2 -> 1 -> 0.5, the fourth skipped step
     assert error.loss_scale == 0.5
     assert error.min_loss_scale == 1.0
-    assert [scale for _, _, scale in error.scale_history] == [8.0, 4.0, 2.0, 1.0, 0.5]
-    assert [batch for batch, _, _ in error.scale_history] == [0, 0, 1, 2, 3]
+    # Read at once, the scale stops the run as micro-batch 4 starts; copied in that micro-batch's pre-hook, it is
+    # read with its check, and micro-batch 4 (one more skipped step) ran first.
+    later = scale_reading == COPIED
+    assert len(forwards) == 4 + later
+    scales = [8.0, 4.0, 2.0, 1.0, 0.5] + [0.25] * later
+    assert [scale for _, _, scale in error.scale_history] == scales
+    assert [batch for batch, _, _ in error.scale_history] == [0, 0, 1, 2, 3] + [4] * later
     assert error.module_name == "1"  # where the last overflow first appeared
     assert "below min_loss_scale=1" in str(error)
     assert "Loss scale (GradScaler): 8 at batch 0 -> 4 at batch 0 -> 2 at batch 1" in error.report
     assert "1 InfInBackward (backward)" in error.report
     # On disk before it was raised, as text and JSON.
     text = (tmp_path / "nanwatch-report-rank0-batch3.txt").read_text()
-    assert "4 skipped steps" in text
+    assert f"{4 + later} skipped steps" in text
     data = json.loads((tmp_path / "nanwatch-report-rank0-batch3.json").read_text())
-    assert data["loss_scale"]["current"] == 0.5
-    assert data["loss_scale"]["skipped_steps"] == 4
-    assert [r["scale"] for r in data["loss_scale"]["records"]] == [8.0, 4.0, 2.0, 1.0, 0.5]
+    assert data["loss_scale"]["current"] == scales[-1]
+    assert data["loss_scale"]["skipped_steps"] == 4 + later
+    assert [r["scale"] for r in data["loss_scale"]["records"]] == scales
     assert data["loss_scale"]["min_loss_scale"] == 1.0
     assert handle.optimizer_step == 0  # not one step ran
+
+
+def test_a_scale_copied_in_the_hook_is_read_only_when_it_changed(scale_reading: str) -> None:
+    # Finite gradients: the scale doubles after every 3 steps. Read at once, the plain loop reads it in the forward
+    # pre-hook of every micro-batch after the first; copied there, it is never read in a forward, only with the
+    # check that saw it change, and the history is the same.
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=8.0, growth_interval=3)
+    in_forward = []
+    model.register_forward_pre_hook(lambda module, args: in_forward.append(True))  # before nanwatch's pre-hook
+    model.register_forward_hook(lambda module, args, output: in_forward.clear())
+    reads_in_forward = []
+    get_scale = scaler.get_scale
+    scaler.get_scale = lambda: (reads_in_forward.append(bool(in_forward)), get_scale())[1]  # type: ignore[method-assign]
+    with watch(model, optimizer=optimizer, scaler=scaler) as handle:
+        _scaled_steps(model, optimizer, scaler, handle, 8)
+        monitor = loss_scale(handle.watcher)
+        assert monitor is not None
+        history = monitor.history()
+    assert _scale_changes(history) == [(0, 8.0), (2, 16.0), (5, 32.0)]
+    assert sum(reads_in_forward) == (0 if scale_reading == COPIED else 7)
 
 
 def test_the_floor_is_configurable_and_can_be_switched_off() -> None:

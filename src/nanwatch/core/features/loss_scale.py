@@ -20,9 +20,12 @@ The scale is read once per training batch (`get_scale()`, one scalar) and every 
 whose optimizer step caused it: that is the history shown in the report (its own section). Lightning and Accelerate
 read it as each micro-batch ends, after the batch check; the plain loop as the next micro-batch starts (its `step()`
 may come before or after `scaler.step()`), and the HF Trainer right after each optimizer step: those adapters say
-when with the "settled" optimizer stage. The scale is the same on every rank (`scaler.step` decides from gradients all
-ranks share after their all-reduce), so every rank reaches the floor at the same batch and raises there without a
-collective.
+when with the "settled" optimizer stage. The plain loop's moment is inside a forward pre-hook, where reading a GPU's
+scale would make the host wait for the GPU: there the scale is copied on its device and compared with the last
+reading, the comparison rides on the micro-batch's check (its one host read), and the copy is read only when the
+scale changed; a scale below the floor then stops the run as that micro-batch ends rather than as it starts. The
+scale is the same on every rank (`scaler.step` decides from gradients all ranks share after their all-reduce), so
+every rank reaches the floor at the same batch and raises there without a collective.
 """
 
 from __future__ import annotations
@@ -63,6 +66,9 @@ __all__ = [
     "scaler_of",
 ]
 
+# Devices where a scale copied in a hook is read at once instead: reading it there waits for nothing.
+READ_AT_ONCE_ON = frozenset({"cpu"})
+
 # Changes of the scale kept for the report: the first reading and the most recent ones.
 _MAX_RECORDS = 64
 # Gradient overflows remembered (the latest); the count of all of them is kept apart.
@@ -82,6 +88,27 @@ class GradientOverflow:
     report: Report
     scale: float
     skipped: bool
+
+
+@dataclass(slots=True)
+class _DeferredScale:
+    """The scale as a micro-batch's forward began, copied on its device (`LossScaleMonitor.defer`).
+
+    Attributes:
+        value: the copy (0-d).
+        unchanged: 0-d bool on the device, True when the copy equals the last scale read.
+        batch_number: the micro-batch whose optimizer step left this scale.
+        optimizer_step: the optimizer steps done then.
+        screened: `unchanged` went into a check's host read.
+        changed: that read found it False (or the check did not say).
+    """
+
+    value: torch.Tensor
+    unchanged: torch.Tensor
+    batch_number: int
+    optimizer_step: int | None
+    screened: bool = False
+    changed: bool = False
 
 
 class LossScaleMonitor:
@@ -110,6 +137,8 @@ class LossScaleMonitor:
         self._applying = False
         self._skipping = False  # an optimizer step with found_inf set is under way: it skips itself
         self._fatal: Report | None = None
+        self._deferred: _DeferredScale | None = None
+        self.unchecked: tuple[float, int] | None = None  # a copied scale read, not yet checked against the floor
 
     @property
     def enabled(self) -> bool:
@@ -126,7 +155,52 @@ class LossScaleMonitor:
     def _read(self, batch_number: int, optimizer_step: int | None) -> tuple[float, bool] | None:
         if not self.enabled:
             return None
-        scale = float(self.scaler.get_scale())
+        self.resolve()  # a copy taken earlier comes first: its change belongs to an earlier micro-batch
+        return self._record(float(self.scaler.get_scale()), batch_number, optimizer_step)
+
+    # A copy of the scale taken inside a hook, read with the next check (see `defer`).
+    def defer(self, batch_number: int, optimizer_step: int | None) -> bool:
+        """Copy the scale on its device, to be read at the next check rather than now; False when it cannot be.
+
+        Called from a forward pre-hook: `get_scale()` on a GPU waits for the GPU there, stalling the step it starts.
+        The copy and its comparison with the last reading are queued on the device; the check's one host read
+        brings the comparison back, and the copy is read only when the scale changed (after a skipped step, or when
+        it grows): `resolve`.
+        """
+        scale = getattr(self.scaler, "_scale", None)  # torch's GradScaler, once its first scale() made it
+        if not self.enabled or not isinstance(scale, torch.Tensor) or self._last_scale is None:
+            return False
+        if scale.device.type in READ_AT_ONCE_ON:  # nothing to wait for: read now, and stop at once if below the floor
+            return False
+        self.resolve()
+        copy = scale.detach().clone().reshape(())
+        self._deferred = _DeferredScale(copy, copy.eq(self._last_scale), batch_number, optimizer_step)
+        return True
+
+    def deferred_flags(self) -> list[torch.Tensor]:
+        """The copied scale's "unchanged" flag, for the check's one host read (once)."""
+        deferred = self._deferred
+        if deferred is None or deferred.screened:
+            return []
+        deferred.screened = True
+        return [deferred.unchanged]
+
+    def deferred_changed(self) -> None:
+        """The flag tripped, or the check found inf/nan and did not say: the copy is read when resolved."""
+        if self._deferred is not None:
+            self._deferred.changed = True
+
+    def resolve(self) -> None:
+        """Take the copied scale into the history, reading it only if it changed or was never screened; the reading
+        waits in `unchecked` for the floor check."""
+        deferred, self._deferred = self._deferred, None
+        if deferred is None or (deferred.screened and not deferred.changed):
+            return
+        scale = float(deferred.value)
+        self._record(scale, deferred.batch_number, deferred.optimizer_step)
+        self.unchecked = (scale, deferred.batch_number)
+
+    def _record(self, scale: float, batch_number: int, optimizer_step: int | None) -> tuple[float, bool]:
         last = self._last_scale
         self._last_scale = scale
         if last is not None and scale == last:
@@ -148,6 +222,7 @@ class LossScaleMonitor:
         return scale is not None and self.min_loss_scale is not None and scale < self.min_loss_scale
 
     def history(self) -> LossScaleHistory:
+        self.resolve()
         records = (() if self._first is None else (self._first,)) + tuple(self._records)
         return LossScaleHistory(
             records=records,
@@ -300,8 +375,20 @@ class LossScaleFeature(Feature):
     def held(self, ctx: EngineContext) -> Report | None:
         return None if self.monitor is None else self.monitor.take_fatal()  # an overflow on a step not skipped
 
+    def screen(
+        self, ctx: EngineContext, pending: Sequence[Frame], maxima: Mapping[tuple[Any, Any], torch.Tensor]
+    ) -> list[torch.Tensor]:
+        return [] if self.monitor is None else self.monitor.deferred_flags()  # a scale copied in a hook: changed?
+
+    def review(self, ctx: EngineContext, pending: Sequence[Frame]) -> Report | None:
+        if self.monitor is not None:
+            self.monitor.deferred_changed()  # read when the micro-batch ends
+        return None
+
     def judge(self, ctx: EngineContext, report: Report, checked: Sequence[Frame]) -> Report | None:
         amp = self.monitor
+        if amp is not None:
+            amp.deferred_changed()  # a check that found inf/nan does not review the flags: read the copy
         if amp is None or not amp.enabled:
             return report
         # The report's frames end at the first frame holding inf/nan: inf/nan first in a forward frame (an
@@ -328,14 +415,17 @@ class LossScaleFeature(Feature):
             amp.step_applying(optimizer, ctx.batch_number, ctx.optimizer_step)
         elif stage == "after":
             amp.step_done()
-        elif stage == "settled":
+        elif stage in ("settled", "settling"):
             amp.step_done()  # the step is over: gradients of the next micro-batch are not judged by it
-            self.follow(ctx, ctx.batch_number - 1)
+            if stage == "settled" or not amp.defer(ctx.batch_number - 1, ctx.optimizer_step):
+                self.follow(ctx, ctx.batch_number - 1)
 
     def on_batch_end(self, ctx: EngineContext, phase: Phase, batch_number: int) -> None:
         if self.monitor is None or phase != "train":
             return
         self.monitor.step_done()
+        self.monitor.resolve()  # a scale copied as this micro-batch began: read now if it changed
+        self._check_floor(ctx)  # may raise LossScaleBelowFloor, on every rank alike
         if self.reading == "at_batch_end":
             self.follow(ctx, batch_number)  # may raise LossScaleBelowFloor, on every rank alike
 
@@ -353,7 +443,20 @@ class LossScaleFeature(Feature):
         except Exception as failure:  # a scaler we cannot read must not kill a healthy run
             ctx.logger.warning(f"nanwatch could not read the GradScaler's scale (the run goes on): {failure!r}")
             return
-        if scale is None or not amp.below_floor(scale):
+        self._check_floor(ctx)  # a copy read first, for an earlier micro-batch
+        if scale is not None:
+            self._raise_below_floor(ctx, scale, batch_number)
+
+    def _check_floor(self, ctx: EngineContext) -> None:
+        """The floor, for a scale copied in a hook and read since (`LossScaleMonitor.resolve`)."""
+        if self.monitor is not None and self.monitor.unchecked is not None:
+            scale, batch_number = self.monitor.unchecked
+            self.monitor.unchecked = None
+            self._raise_below_floor(ctx, scale, batch_number)
+
+    def _raise_below_floor(self, ctx: EngineContext, scale: float, batch_number: int) -> None:
+        amp = self.monitor
+        if amp is None or not amp.below_floor(scale):
             return
         report, error = amp.floor_detection(
             scale,

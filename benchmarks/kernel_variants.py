@@ -16,8 +16,8 @@ round by round (interleaved, so drifts of the machine hit every variant alike):
 For each it prints the median time spent inside nanwatch's forward hooks per step, and the median step time. The C
 variants are experiments that live here only (nanwatch needs no compiler); without `cc` they are left out.
 
-    python benchmarks/kernels.py                       # inference and training, about 3 minutes on 2 cores
-    python benchmarks/kernels.py --modes infer --rounds 40
+    python benchmarks/kernel_variants.py                       # inference and training, about 3 minutes on 2 cores
+    python benchmarks/kernel_variants.py --modes infer --rounds 40
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ from nanwatch.core.watcher import Watcher
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from overhead import build_model, write_results  # noqa: E402  (the same model as the overhead benchmark)
 
-DEFAULT_OUTPUT = Path(__file__).resolve().parent / "results" / "kernels.json"
+DEFAULT_OUTPUT = Path(__file__).resolve().parent / "results" / "kernel_variants.json"
 Kernel = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 # min and max of |x| for float32 (4-byte) and float16/bfloat16 (2-byte) values, read once, as integers: with the

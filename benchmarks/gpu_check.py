@@ -1,0 +1,366 @@
+"""The GPU path, checked on one CUDA device: what the CPU suite cannot show.
+
+Five checks, each printing its figures (and all of them into --output as JSON):
+
+1. oracle: a tiny random GPT-2 on the GPU, in fp16 and in bf16, overflows in `h.1.mlp.c_fc`; transformers'
+   `DebugUnderflowOverflow` (the oracle) and `nanwatch.watch` see the same batches. The frames nanwatch reports must
+   be transformers' frames line for line (its keyword-input lines aside), and the batch and culprit the same.
+2. syncs: the host synchronisations CUDA's sync debug mode counts during forward and backward, unwatched, watched
+   (full mode) and in sentinel mode, in fp16 autocast and in bf16: watching must add none inside the step (the one
+   host read a step needs is in `handle.step()`, counted apart).
+3. sentinel: on the GPU, a deterministic fp16 overflow is reproduced by the replay, and a nan injected once (as a
+   flipped bit would be) is called a transient fault. floor: a GradScaler's scale falling below `min_loss_scale`
+   stops the run (the scale copied in the hook, read with the check).
+4. compiled: a compiled (inductor, Triton) model watched in fp16 reports the culprit with no graph break.
+
+The overhead on the GPU is `benchmarks/overhead.py --device cuda` (run beside this script by the same command).
+
+    python benchmarks/gpu_check.py --output gpu-check.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import io
+import json
+import re
+import sys
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+import nanwatch
+from nanwatch import NonFiniteError
+
+MODULE_LINE = re.compile(r"^ {17} (\S*) (\S+)$")
+KEYWORD_LINE = re.compile(r"^.{17} input\.[A-Za-z_]\w*$")
+BATCH_MARK = re.compile(r"^ {17} \*\*\* Starting batch number=(\d+) \*\*\*$")
+TABLE_HEADER = "abs min  abs max  metadata"
+
+
+def tiny_gpt2(dtype: torch.dtype, device: torch.device, scale: float) -> nn.Module:
+    """A random two-layer GPT-2 whose `h.1.mlp.c_fc` weight grows by `scale` each time `grow` is called."""
+    from transformers import GPT2Config, GPT2Model
+
+    config = GPT2Config(n_layer=2, n_embd=32, n_head=4, n_positions=32, vocab_size=64, resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
+    torch.manual_seed(0)
+    model = GPT2Model(config).to(device=device, dtype=dtype).train()
+    model.grow_by = scale  # type: ignore[assignment]
+    return model
+
+
+def grow(model: nn.Module) -> None:
+    with torch.no_grad():
+        model.h[1].mlp.c_fc.weight.mul_(model.grow_by)  # type: ignore[index,union-attr,operator]
+
+
+def ids_for(batch: int, device: torch.device) -> torch.Tensor:
+    return torch.randint(2, 64, (2, 8), generator=torch.Generator().manual_seed(batch)).to(device)
+
+
+# ----------------------------------------------------------------------------------------------- 1. the oracle
+
+
+def oracle_frames(stdout: str) -> tuple[str, list[str]]:
+    _, dump = stdout.split("\nDetected inf/nan", 1)
+    lines = ("Detected inf/nan" + dump).splitlines()
+    body = [line for line in lines[3:] if line.strip() and line != TABLE_HEADER and not BATCH_MARK.match(line)]
+    return lines[0], body
+
+
+def nanwatch_frames(report: str) -> tuple[str, list[str]]:
+    lines = report.splitlines()
+    body = lines[3:]
+    end = body.index("") if "" in body else len(body)
+    return lines[0], [line for line in body[:end] if not KEYWORD_LINE.match(line)]
+
+
+def check_oracle(dtype: torch.dtype, device: torch.device, scale: float, batches: int) -> dict[str, Any]:
+    from transformers.debug_utils import DebugUnderflowOverflow
+
+    oracle_model = tiny_gpt2(dtype, device, scale)
+    watched_model = copy.deepcopy(oracle_model)
+    DebugUnderflowOverflow(oracle_model, max_frames_to_save=40)
+    printed = io.StringIO()
+    oracle_batch = None
+    with contextlib.redirect_stdout(printed):
+        for batch in range(batches):
+            try:
+                oracle_model(ids_for(batch, device), use_cache=False, return_dict=False)
+            except ValueError:
+                oracle_batch = batch
+                break
+            grow(oracle_model)
+    error: NonFiniteError | None = None
+    with nanwatch.watch(watched_model, max_frames_to_save=40, report_dir=None) as handle:
+        for batch in range(batches):
+            watched_model(ids_for(batch, device), use_cache=False, return_dict=False)
+            try:
+                handle.step()
+            except NonFiniteError as caught:
+                error = caught
+                break
+            grow(watched_model)
+    if oracle_batch is None or error is None:
+        return {"dtype": str(dtype), "ok": False, "why": f"oracle batch {oracle_batch}, nanwatch error {error!r}"}
+    oracle_header, oracle_lines = oracle_frames(printed.getvalue())
+    header, lines = nanwatch_frames(error.report)
+    differing = [(a, b) for a, b in zip(oracle_lines, lines, strict=False) if a != b]
+    ok = header == oracle_header and len(lines) == len(oracle_lines) and not differing
+    return {
+        "dtype": str(dtype),
+        "ok": ok,
+        "batch": error.batch_number,
+        "oracle_batch": oracle_batch,
+        "culprit": error.module_name,
+        "lines_compared": len(oracle_lines),
+        "nanwatch_lines": len(lines),
+        "first_differences": differing[:5],
+        "header": header,
+        "oracle_header": oracle_header,
+    }
+
+
+# ----------------------------------------------------------------------------------------------- 2. host syncs
+
+
+@contextlib.contextmanager
+def counted_syncs(counts: list[int]) -> Iterator[None]:
+    """Count the synchronising CUDA calls made inside the block (CUDA's sync debug mode, as warnings)."""
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    counts.append(sum("synchronizing" in str(w.message).lower() for w in seen))
+
+
+def check_syncs(precision: str, variant: str, device: torch.device, steps: int) -> dict[str, Any]:
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    model = tiny_gpt2(dtype, device, 1.0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    scaler = torch.amp.GradScaler("cuda") if precision == "fp16-autocast" else None
+    handle = None
+    if variant != "none":
+        mode = "sentinel" if variant == "sentinel" else "full"
+        handle = nanwatch.watch(model, mode=mode, optimizer=optimizer, scaler=scaler, report_dir=None)
+    in_step: list[int] = []
+    in_check: list[int] = []
+    for batch in range(steps):
+        ids = ids_for(batch, device)
+        torch.cuda.synchronize()
+        with counted_syncs(in_step):
+            with torch.autocast("cuda", dtype=torch.float16, enabled=precision == "fp16-autocast"):
+                loss = model(ids, use_cache=False).last_hidden_state.float().pow(2).mean()
+            (scaler.scale(loss) if scaler else loss).backward()
+        if handle is not None:
+            with counted_syncs(in_check):
+                handle.step()
+        if scaler is not None:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    if handle is not None:
+        handle.close()
+    return {
+        "precision": precision,
+        "variant": variant,
+        "steps": steps,
+        "syncs_in_forward_backward": in_step,
+        "syncs_in_handle_step": in_check,
+    }
+
+
+# ----------------------------------------------------------------------------------------------- 3. the sentinel
+
+_FAULTS: list[bool] = []
+
+
+class FaultsOnce(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.fc(x)
+        if _FAULTS and _FAULTS.pop():
+            y = y * float("nan")
+        return y
+
+
+def sentinel_verdict(
+    build: Callable[[], nn.Module], inputs: Callable[[int], torch.Tensor], arm_at: int
+) -> dict[str, Any]:
+    model = build()
+    with nanwatch.watch(model, mode="sentinel", report_dir=None) as handle:
+        for batch in range(arm_at + 3):
+            if batch == arm_at:
+                _FAULTS.append(True)
+            model(inputs(batch)).float().pow(2).mean().backward()
+            try:
+                handle.step()
+            except NonFiniteError as error:
+                return {"batch": error.batch_number, "module": error.module_name, "replay": error.replay,
+                        "report_tail": error.report.splitlines()[-6:]}  # fmt: skip
+    return {"batch": None, "replay": None}
+
+
+def check_sentinel(device: torch.device) -> dict[str, Any]:
+    def overflowing() -> nn.Module:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64)).to(device).half()
+        with torch.no_grad():
+            model[2].weight.mul_(1000)
+        return model
+
+    def faulting() -> nn.Module:
+        torch.manual_seed(0)
+        return FaultsOnce().to(device)
+
+    return {
+        "fp16_overflow": sentinel_verdict(
+            overflowing, lambda b: torch.randn(4, 64, device=device).half() * 2.0**b, arm_at=10**6
+        ),
+        "nan_once": sentinel_verdict(faulting, lambda b: torch.randn(4, 64, device=device), arm_at=3),
+    }
+
+
+# ------------------------------------------------------------------------------------- 3b. the loss scale's floor
+
+
+class InfInBackward(nn.Module):
+    """The identity forward; its backward gives inf (a gradient overflow every step, whatever the scale)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _InfGrad.apply(x)
+
+
+class _InfGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad * float("inf")
+
+
+def check_floor(device: torch.device) -> dict[str, Any]:
+    """A GradScaler whose scale halves every step falls below min_loss_scale=1 after four skipped steps: on a GPU
+    the scale is copied in the forward pre-hook and read with the check, so the run stops a micro-batch later."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), InfInBackward(), nn.Linear(4, 1)).to(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler(device.type, init_scale=8.0)
+    completed = []
+    model.register_forward_hook(lambda module, args, output: completed.append(1))
+    with nanwatch.watch(model, optimizer=optimizer, scaler=scaler, watch_gradients=True, report_dir=None) as handle:
+        try:
+            for _ in range(10):
+                scaler.scale(model(torch.randn(2, 4, device=device)).sum()).backward()
+                scaler.step(optimizer)
+                scaler.update()
+                optimizer.zero_grad()
+                handle.step()
+        except nanwatch.LossScaleBelowFloor as error:
+            return {"batch": error.batch_number, "loss_scale": error.loss_scale, "forwards_completed": len(completed),
+                    "history": [scale for _, _, scale in error.scale_history]}  # fmt: skip
+    return {"batch": None}
+
+
+# ----------------------------------------------------------------------------------------------- 4. compiled
+
+
+def check_compiled(device: torch.device) -> dict[str, Any]:
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64)).to(device).half()
+    with torch.no_grad():
+        model[2].weight.mul_(1000)
+    twin = copy.deepcopy(model)
+    with nanwatch.watch(twin, report_dir=None):  # graph breaks, counted on a watched twin
+        explained = torch._dynamo.explain(twin)(torch.randn(4, 64, device=device).half())
+    torch._dynamo.reset()
+    handle = nanwatch.watch(model, report_dir=None)
+    compiled = torch.compile(model)
+    started = time.perf_counter()
+    result: dict[str, Any] = {"batch": None}
+    try:
+        for batch in range(16):
+            compiled(torch.randn(4, 64, device=device).half() * 2.0**batch)
+            try:
+                handle.step()
+            except NonFiniteError as error:
+                result = {"batch": error.batch_number, "module": error.module_name}
+                break
+    finally:
+        handle.close()
+    result["graph_breaks"] = explained.graph_break_count
+    result["seconds"] = round(time.perf_counter() - started, 1)
+    return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--output", default=None, help="write the results as JSON here")
+    parser.add_argument("--only", default="oracle,syncs,sentinel,floor,compiled", help="comma-separated checks to run")
+    parser.add_argument("--device", default="cuda", help="cuda (default); cpu only tries the script out")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("no CUDA device: this check is for a GPU machine", file=sys.stderr)
+        return 2
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(f"torch {torch.__version__} on {name}; nanwatch {nanwatch.__version__}")
+    results: dict[str, Any] = {"torch": torch.__version__, "device": name}
+    wanted = set(args.only.split(","))
+    if device.type != "cuda":
+        wanted.discard("syncs")  # CUDA's sync debug mode only
+    checks: dict[str, Callable[[], Any]] = {
+        "oracle": lambda: [
+            check_oracle(torch.float16, device, 1e3, 8),
+            check_oracle(torch.bfloat16, device, 1e12, 8),
+        ],
+        "syncs": lambda: [
+            check_syncs(precision, variant, device, steps=6)
+            for precision in ("fp16-autocast", "bf16")
+            for variant in ("none", "full", "sentinel")
+        ],
+        "sentinel": lambda: check_sentinel(device),
+        "floor": lambda: check_floor(device),
+        "compiled": lambda: check_compiled(device),
+    }
+    failed = False
+    for name, run in checks.items():
+        if name not in wanted:
+            continue
+        started = time.perf_counter()
+        try:
+            results[name] = run()
+        except Exception as error:  # one check's failure must not hide the others' figures
+            results[name] = {"error": f"{type(error).__name__}: {error}"}
+            failed = True
+        print(f"== {name} ({time.perf_counter() - started:.1f} s)")
+        print(json.dumps(results[name], indent=1, default=str))
+        sys.stdout.flush()
+        if args.output:
+            with open(args.output, "w", encoding="utf-8") as file:
+                json.dump(results, file, indent=1, default=str)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
