@@ -1,10 +1,12 @@
-"""What distributed agreement costs per micro-batch: one look at the process group's store, on 2 gloo processes.
+"""What distributed agreement costs per micro-batch, on 2 gloo processes: what the hot path asks, against a collective.
 
-nanwatch runs no collective of its own. Each rank asks the store, once per training micro-batch (as it starts) and at
-each optimizer step, whether another rank posted a detection (`DetectionBoard.posted_elsewhere`, one round trip).
-This starts `--world-size` processes with the gloo backend, warms up, then times `--calls` back-to-back looks on each
-rank and prints the per-call figure (the slowest rank's mean and median). For comparison it times a plain
-`dist.all_reduce` of a one-element tensor: what nanwatch paid per micro-batch before.
+nanwatch runs no collective of its own. Each rank asks, once per training micro-batch (as it starts) and at each
+optimizer step, whether a verdict reached it (`DetectionBoard.posted_elsewhere`): a Python attribute its listener
+thread sets (core/listener.py), no call to the store (before issue 23: one round trip to the store). This starts
+`--world-size` processes with the gloo backend, warms up, then times `--calls` back-to-back asks on each rank and
+prints the per-call figure (the slowest rank's mean and median). For comparison it times a plain `dist.all_reduce`
+of a one-element tensor: what nanwatch paid per micro-batch before that. benchmarks/agreement.py shows the store's
+side, for many ranks.
 
     python benchmarks/agree_cost.py                    # 2 processes, 1000 calls
     python benchmarks/agree_cost.py --calls 5000 --world-size 2
@@ -25,7 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from nanwatch.core.ranks import DetectionBoard
+from nanwatch.core.board import DetectionBoard
 
 
 def _free_port() -> int:
@@ -51,7 +53,7 @@ def _worker(rank: int, world_size: int, port: int, calls: int, results: Any) -> 
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
         flag = torch.zeros(1, dtype=torch.int64)
-        board = DetectionBoard.for_this_run(rank, world_size, wait_s=10.0)
+        board = DetectionBoard.for_model(torch.nn.Linear(1, 1), torch.nn.Linear(1, 1), rank, world_size, wait_s=10.0)
         assert board is not None
         for _ in range(100):  # warm-up: connections
             board.posted_elsewhere()
@@ -60,6 +62,7 @@ def _worker(rank: int, world_size: int, port: int, calls: int, results: Any) -> 
         dist.barrier()
         floor = _time_calls(lambda: dist.all_reduce(flag, op=dist.ReduceOp.MIN), calls)
         results[rank] = (agree, floor)
+        board.close()
     finally:
         dist.destroy_process_group()
 
@@ -83,7 +86,7 @@ def main(argv: list[str] | None = None) -> None:
     agree_mean, agree_median = figures(0)
     floor_mean, floor_median = figures(1)
     print(f"{args.world_size} gloo processes on the CPU, {args.calls} calls each (torch {torch.__version__})")
-    print(f"store look (posted_elsewhere): mean {agree_mean:.0f} us, median {agree_median:.0f} us per call")
+    print(f"posted_elsewhere():            mean {agree_mean:.2f} us, median {agree_median:.2f} us per call")
     print(f"all_reduce of one int64:       mean {floor_mean:.0f} us, median {floor_median:.0f} us per call")
 
 

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from nanwatch.core.board import DetectionBoard
 from nanwatch.core.features.headroom import HeadroomMonitor
 from nanwatch.core.features.loss_scale import LossScaleFeature, LossScaleMonitor
 from nanwatch.core.features.summary import SummaryFeature
-from nanwatch.core.ranks import DetectionBoard
 from nanwatch.core.report import Report
 from nanwatch.core.stats.compiled import frame_key, record_call
 from nanwatch.core.watcher import Watcher

@@ -1,12 +1,12 @@
-"""core/ranks.py and the engine's use of it: ranks agree on who saw inf/nan first, whatever the scheduling.
+"""core/board.py and the engine's use of it: ranks agree on who saw inf/nan first, whatever the scheduling.
 
 Two ranks in one process: threads (or one thread acting in a fixed order) against one real in-memory c10d store
-(`HashStore`, the same `set`/`add`/`check`/`compare_set` protocol as the TCPStore of a real run). No mocks.
+(`HashStore`, the same protocol as the TCPStore of a real run; tests/core/test_board.py runs many ranks against a
+real TCPStore). No mocks.
 """
 
 from __future__ import annotations
 
-import itertools
 import threading
 import time
 from typing import Any
@@ -17,19 +17,18 @@ from tests.engine_helpers import use_board
 from torch import nn
 from torch._C._distributed_c10d import HashStore
 
-import nanwatch.core.ranks
 from nanwatch import NonFiniteError, WatchConfig
-from nanwatch.core.ranks import Detection, DetectionBoard
+from nanwatch.core.board import DetectionBoard
+from nanwatch.core.ranks import Detection
 from nanwatch.core.watcher import Watcher
 
 WAIT_S = 2.0
 
 
 @pytest.fixture
-def store(monkeypatch: pytest.MonkeyPatch) -> Any:
-    # In a real run each rank is a process whose first board takes the first keys; here both ranks share one process,
-    # so both boards are given the same keys.
-    monkeypatch.setattr(nanwatch.core.ranks, "_generations", itertools.repeat(0))
+def store() -> Any:
+    # In a real run each rank's board derives its keys from the group and the model (core/board.py board_prefix);
+    # here both ranks' boards are given the same keys, the default prefix.
     return HashStore()
 
 
@@ -72,13 +71,13 @@ def _wait_for_count(store: Any, count: int) -> None:
 def test_the_rank_whose_frames_hold_the_inf_is_named_even_when_the_gradients_rank_posts_first(store: Any) -> None:
     # The HF Trainer flake, made deterministic. Rank 1's forward of micro-batch 3 holds an inf; DDP's all-reduce made
     # rank 0's gradients inf too, and rank 0's guard posted a "gradients" detection before rank 1 ended its
-    # micro-batch. The Trainer's adapter then calls start_batch() again (after the forward, frames still unchecked)
-    # and end_batch(). Before: start_batch's poll saw rank 0's post and settled with nothing of its own, so rank 1
-    # never posted its frames; both ranks waited rank_wait_s and the verdict named rank 0.
+    # micro-batch. The Trainer's adapter then calls start_batch() again (after the forward, frames still unchecked):
+    # no verdict has been fixed (rank 0 waits for every rank's post), so it goes on; rank 1's check holds its frames
+    # for the optimizer step, where it posts them, completes the count and fixes the verdict: its own frames.
     blowup = Blowup()
     model = nn.Sequential(nn.Linear(4, 4), blowup, nn.Linear(4, 2))
     watcher = Watcher(model, WatchConfig(rank_wait_s=WAIT_S), rank=1, world_size=2)
-    use_board(watcher, DetectionBoard(store, 1, 2, WAIT_S))  # what DetectionBoard.for_this_run gives in a real run
+    use_board(watcher, DetectionBoard(store, 1, 2, WAIT_S))  # what DetectionBoard.for_model gives in a real run
     watcher.on_optimizer_step("guarded")
     watcher.attach()
     for _ in range(3):  # micro-batches 0-2: clean
@@ -93,23 +92,26 @@ def test_the_rank_whose_frames_hold_the_inf_is_named_even_when_the_gradients_ran
     rank0.start()
     _wait_for_count(store, 1)  # rank 0's gradients are on the board first
     began = time.monotonic()
+    watcher.start_batch("train")  # as the HF Trainer adapter does before end_batch(): no verdict yet
+    watcher.end_batch()  # held for the optimizer step
     with pytest.raises(NonFiniteError) as caught:
-        watcher.start_batch("train")  # as the HF Trainer adapter does before end_batch()
+        watcher.on_optimizer_step("before")
     took = time.monotonic() - began
     rank0.join(timeout=3 * WAIT_S)
 
     assert (caught.value.rank, caught.value.batch_number, caught.value.module_name) == (1, 3, "1")
     assert rank0.verdict == Detection(3, 1, "train", "frames")
-    # Neither rank waited out rank_wait_s: every rank had posted.
+    # Neither rank waited out rank_wait_s: every rank had posted and acknowledged.
     assert took < WAIT_S / 2
     assert rank0.took is not None
     assert rank0.took < WAIT_S / 2
     watcher.close(check=False)
 
 
-def test_a_held_detection_is_posted_when_another_rank_posts_first(store: Any) -> None:
+def test_a_held_detection_is_posted_at_the_step_when_another_rank_posts_first(store: Any) -> None:
     # Rank 1 saw inf in micro-batch 2 and holds it for the optimizer step (gradient accumulation); rank 0 posts before
-    # that step. Rank 1's next start_batch() must settle with its own detection, not with nothing.
+    # that step. Rank 1 goes on to micro-batch 3 (no verdict yet) and posts its own detection at the step: the
+    # verdict names micro-batch 2 on rank 1 on both ranks.
     blowup = Blowup()
     model = nn.Sequential(nn.Linear(4, 4), blowup, nn.Linear(4, 2))
     watcher = Watcher(model, WatchConfig(rank_wait_s=WAIT_S), rank=1, world_size=2)
@@ -129,8 +131,10 @@ def test_a_held_detection_is_posted_when_another_rank_posts_first(store: Any) ->
     rank0 = Settling(DetectionBoard(store, 0, 2, WAIT_S), Detection(3, 0, "train", "gradients"))
     rank0.start()
     _wait_for_count(store, 1)
+    watcher.start_batch("train")  # micro-batch 3's forward pre-hook: no verdict yet
+    model(torch.ones(2, 4))
     with pytest.raises(NonFiniteError) as caught:
-        watcher.start_batch("train")  # micro-batch 3's forward pre-hook
+        watcher.on_optimizer_step("before")
     rank0.join(timeout=3 * WAIT_S)
 
     assert (caught.value.rank, caught.value.batch_number) == (1, 2)
@@ -163,9 +167,13 @@ def test_a_gradients_only_rank_does_not_decide_early_without_waiting(store: Any)
     waiting.start()
     _wait_for_count(store, 1)
     time.sleep(0.1)
-    DetectionBoard(store, 1, 2, WAIT_S).post(Detection(3, 1, "train", "frames"))
+    assert not result, "a gradients-only rank decided before the other rank posted"
+    frames = Settling(DetectionBoard(store, 1, 2, WAIT_S), Detection(3, 1, "train", "frames"))
+    frames.start()
     waiting.join(timeout=3 * WAIT_S)
+    frames.join(timeout=3 * WAIT_S)
     assert result == [Detection(3, 1, "train", "frames")]
+    assert frames.verdict == Detection(3, 1, "train", "frames")
 
 
 def test_no_rank_waits_unboundedly_when_the_other_never_posts(store: Any) -> None:

@@ -12,10 +12,11 @@ from typing import TYPE_CHECKING
 from nanwatch._lazy import lazy_exports
 
 if TYPE_CHECKING:
+    from nanwatch.core.board import DetectionBoard
     from nanwatch.core.config import WatchConfig, resolve_config
     from nanwatch.core.events import EngineContext, Feature
     from nanwatch.core.frames import Direction, Entry, Frame, FrameRing, ResolvedEntry, ResolvedFrame, Role
-    from nanwatch.core.ranks import Detection, DetectionBoard, world_size_and_rank
+    from nanwatch.core.ranks import Detection, world_size_and_rank
     from nanwatch.core.report import Report
     from nanwatch.core.stats.cache import StatsCache
     from nanwatch.core.stats.measure import Measurement, measure
@@ -59,7 +60,7 @@ _HOMES = {
     "ResolvedFrame": "nanwatch.core.frames",
     "Role": "nanwatch.core.frames",
     "Detection": "nanwatch.core.ranks",
-    "DetectionBoard": "nanwatch.core.ranks",
+    "DetectionBoard": "nanwatch.core.board",
     "world_size_and_rank": "nanwatch.core.ranks",
     "Report": "nanwatch.core.report",
     "Measurement": "nanwatch.core.stats.measure",

@@ -149,6 +149,7 @@ class Watcher(Readings):
                 self._features.safely(f"closing {feature.name}", feature.detach, ctx)
                 self._features.safely(f"closing {feature.name}", feature.close, ctx)
         try:
+            self._arbiter.close()
             held = self._arbiter.release()  # held for a step that never came
             report = report if report is not None else held
             if report is not None and raise_detection:

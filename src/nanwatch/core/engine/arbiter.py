@@ -22,10 +22,11 @@ import logging
 from collections.abc import Callable
 from typing import NoReturn
 
+from nanwatch.core.board import DetectionBoard, StoreLost
 from nanwatch.core.engine.counters import Counters
 from nanwatch.core.engine.publisher import Publisher
 from nanwatch.core.frames import counter_name
-from nanwatch.core.ranks import Detection, DetectionBoard, Kind
+from nanwatch.core.ranks import Detection, Kind
 from nanwatch.core.report import Report
 from nanwatch.errors import NonFiniteError
 
@@ -112,6 +113,11 @@ class Arbiter:
             return
         self._agree_and_raise(mine, wait=wait)
 
+    def close(self) -> None:
+        """Watching ended: stop listening for verdicts."""
+        if self._board is not None:
+            self._board.close()
+
     def release(self) -> Report | None:
         """Closing: the detection held for a step that never came (published now if it was not), or None."""
         held = self._held
@@ -131,8 +137,14 @@ class Arbiter:
         try:
             verdict = self._board.settle(detection, wait=wait)
         except TimeoutError:
-            return  # nothing was posted after all: nothing to raise
-        except Exception as error:  # the store failed: this rank still stops on what it saw itself
+            if detection is None:
+                return  # no verdict reached this rank after all: nothing to raise
+            verdict = detection  # no rank decided in time: this rank stops on what it saw itself
+        except StoreLost:  # the board warned once: this rank stops on what it saw itself
+            if detection is None:
+                return
+            verdict = detection
+        except Exception as error:  # anything else of ours: the same, said here
             self._logger.warning(f"nanwatch could not reach the other ranks ({error!r}); raising on this rank")
             if detection is None:
                 return

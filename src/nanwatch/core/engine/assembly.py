@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import NamedTuple
 
+from nanwatch.core.board import DetectionBoard
 from nanwatch.core.engine.arbiter import Arbiter
 from nanwatch.core.engine.checker import Checker
 from nanwatch.core.engine.context import EngineView, Facade, Fixed
@@ -13,7 +14,6 @@ from nanwatch.core.engine.plugins import FeatureSet
 from nanwatch.core.engine.publisher import Publisher
 from nanwatch.core.engine.recorder import Recorder
 from nanwatch.core.events import Feature
-from nanwatch.core.ranks import DetectionBoard
 from nanwatch.core.scope import BatchSchedule
 from nanwatch.core.stats.cache import StatsCache
 from nanwatch.core.stats.measure import extra_kernels
@@ -57,7 +57,7 @@ def assemble(facade: Facade, fixed: Fixed, features: list[Feature], *, on_raise:
     checker = Checker(config, counters, recorder, cache, plugins, rank=rank, world_size=world_size, disable=disable)
     checkers.append(checker)
     publisher = Publisher(config, logger, schedule, plugins, disable)
-    board = DetectionBoard.for_this_run(rank, world_size, config.rank_wait_s)
+    board = DetectionBoard.for_model(facade.model, facade.entry, rank, world_size, config.rank_wait_s)
     arbiter = Arbiter(board, publisher, counters, logger, rank=rank, world_size=world_size, on_raise=on_raise)
     plugins.ctx = EngineView(facade, fixed, counters, recorder, checker, publisher, plugins, cache, schedule)
     return Parts(schedule, cache, counters, plugins, recorder, checker, publisher, arbiter)

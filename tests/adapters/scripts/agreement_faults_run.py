@@ -1,0 +1,125 @@
+"""Two gloo ranks started by `torch.multiprocessing.spawn`, rank 0's process hosting the store (tcp:// init), in one
+of the scenarios tests/adapters/test_agreement_faults.py runs:
+
+- destroy: three clean DDP steps, then `destroy_process_group()` on both ranks and rank 0 exits (the store goes with
+  it); rank 1 trains on under the same watcher, and its forward is made to overflow at micro-batch 6: it stops on what
+  it saw itself, and nothing of nanwatch's fails before that.
+- extra: rank 1 makes a watcher of another model first (an evaluation helper, say); rank 1's forward overflows at
+  micro-batch 3 of the DDP model: both ranks raise the same error, naming rank 1, without waiting out rank_wait_s.
+- two_models: each rank trains a model of its own (no DDP, different models); rank 1's overflows at micro-batch 3:
+  rank 1 stops, rank 0 trains to the end.
+
+    python agreement_faults_run.py SCENARIO OUT_DIR PORT
+Each rank writes OUT_DIR/outcome-rank{R}.json.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+import nanwatch
+
+WAIT_S = 3.0
+
+
+class Blowup(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.armed = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * float("inf") if self.armed else x
+
+
+def _train(model: nn.Module, blowup: Blowup, arm_at: int | None, steps: int, record: dict[str, Any]) -> None:
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    with nanwatch.watch(model, optimizer=optimizer, rank_wait_s=WAIT_S, report_dir=None) as handle:
+        for step in range(steps):
+            blowup.armed = step == arm_at
+            record["detected_at"] = time.monotonic()
+            model(torch.ones(2, 4)).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            handle.step()
+            record["steps_done"] = step + 1
+
+
+def _model(width: int = 4) -> tuple[nn.Module, Blowup]:
+    blowup = Blowup()
+    return nn.Sequential(nn.Linear(4, width), blowup, nn.Linear(width, 1)), blowup
+
+
+def _destroy_then_train(rank: int, record: dict[str, Any]) -> None:
+    """One watcher across the end of the process group: the store vanishes under it."""
+    model, blowup = _model()
+    ddp = DistributedDataParallel(model)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    handle = nanwatch.watch(ddp, optimizer=optimizer, rank_wait_s=WAIT_S, report_dir=None)
+    for step in range(3):
+        ddp(torch.ones(2, 4)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        handle.step()
+        record["steps_done"] = step + 1
+    dist.barrier()
+    dist.destroy_process_group()
+    if rank == 0:
+        handle.close()
+        return  # and the process exits: the store it hosted is gone
+    time.sleep(1.5)
+    for step in range(3, 10):  # the inner model from now on, still watched by the same handle
+        blowup.armed = step == 6
+        record["detected_at"] = time.monotonic()
+        model(torch.ones(2, 4)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        handle.step()
+        record["steps_done"] = step + 1
+
+
+def run(rank: int, scenario: str, out: Path, port: int) -> None:
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60)
+    )
+    record: dict[str, Any] = {"rank": rank, "error": None, "steps_done": 0, "other_error": None}
+    torch.manual_seed(0)
+    try:
+        if scenario == "destroy":
+            _destroy_then_train(rank, record)
+        elif scenario == "extra":
+            if rank == 1:
+                helper = nn.Sequential(nn.Conv1d(1, 1, 3))
+                nanwatch.watch(helper, report_dir=None)  # never closed: it keeps its keys
+            model, blowup = _model()
+            ddp = DistributedDataParallel(model)
+            _train(ddp, blowup, 3 if rank == 1 else None, 8, record)
+        elif scenario == "two_models":
+            model, blowup = _model(4 if rank == 0 else 6)
+            _train(model, blowup, 3 if rank == 1 else None, 8, record)
+        else:
+            raise ValueError(scenario)
+    except nanwatch.NonFiniteError as error:
+        record["error"] = {"rank": error.rank, "batch_number": error.batch_number, "message": str(error)}
+        record["took_s"] = time.monotonic() - record["detected_at"]
+    except BaseException as error:
+        record["other_error"] = "".join(traceback.format_exception(error))
+    (out / f"outcome-rank{rank}.json").write_text(json.dumps(record), encoding="utf-8")
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    scenario_name, out_dir, free_port = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3])
+    mp.spawn(run, args=(scenario_name, out_dir, free_port), nprocs=2, join=True)

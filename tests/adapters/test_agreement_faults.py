@@ -1,0 +1,64 @@
+"""The ranks' agreement (core/board.py) around faults of the store and of the launch: two real gloo processes
+(`torch.multiprocessing.spawn`, rank 0 hosting the store), each bounded by a timeout. Scenarios:
+tests/adapters/scripts/agreement_faults_run.py."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+SCRIPT = Path(__file__).parent / "scripts" / "agreement_faults_run.py"
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def _run(scenario: str, out: Path) -> tuple[list[dict[str, Any]], str]:
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), scenario, str(out), str(_free_port())],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    outcomes = [json.loads((out / f"outcome-rank{rank}.json").read_text(encoding="utf-8")) for rank in (0, 1)]
+    for outcome in outcomes:
+        assert outcome["other_error"] is None, outcome["other_error"]
+    return outcomes, result.stderr
+
+
+@pytest.mark.multiprocess
+def test_after_destroy_process_group_the_watcher_goes_on_and_stops_on_what_the_rank_sees(tmp_path: Path) -> None:
+    (rank0, rank1), stderr = _run("destroy", tmp_path)
+    assert rank0["error"] is None
+    assert rank0["steps_done"] == 3
+    assert rank1["error"] is not None
+    assert (rank1["error"]["rank"], rank1["error"]["batch_number"]) == (1, 6)
+    assert rank1["steps_done"] == 6
+    assert stderr.count("the process group's store failed") <= 1
+
+
+@pytest.mark.multiprocess
+def test_a_watcher_of_another_model_on_one_rank_shifts_no_key(tmp_path: Path) -> None:
+    outcomes, _ = _run("extra", tmp_path)
+    for outcome in outcomes:
+        assert outcome["error"] is not None, f"rank {outcome['rank']} did not stop"
+        assert (outcome["error"]["rank"], outcome["error"]["batch_number"]) == (1, 3)
+        assert outcome["took_s"] < 3.0, "a rank waited out rank_wait_s: the ranks' keys differed"
+
+
+@pytest.mark.multiprocess
+def test_ranks_training_independent_models_do_not_stop_each_other(tmp_path: Path) -> None:
+    rank0, rank1 = _run("two_models", tmp_path)[0]
+    assert rank0["error"] is None
+    assert rank0["steps_done"] == 8
+    assert rank1["error"] is not None
+    assert (rank1["error"]["rank"], rank1["error"]["batch_number"]) == (1, 3)
