@@ -56,6 +56,15 @@ def test_a_watcher_of_another_model_on_one_rank_shifts_no_key(tmp_path: Path) ->
 
 
 @pytest.mark.multiprocess
+def test_a_rank_whose_listener_died_polls_its_bell_and_stops_with_the_others(tmp_path: Path) -> None:
+    outcomes, _ = _run("listener_dies", tmp_path)
+    for outcome in outcomes:
+        assert outcome["error"] is not None, f"rank {outcome['rank']} did not stop"
+        assert (outcome["error"]["rank"], outcome["error"]["batch_number"]) == (0, 3)
+    assert [outcome["polled"] for outcome in outcomes] == [False, True]  # rank 1 took the fallback
+
+
+@pytest.mark.multiprocess
 def test_ranks_training_independent_models_do_not_stop_each_other(tmp_path: Path) -> None:
     rank0, rank1 = _run("two_models", tmp_path)[0]
     assert rank0["error"] is None

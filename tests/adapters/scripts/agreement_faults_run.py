@@ -6,6 +6,8 @@ of the scenarios tests/adapters/test_agreement_faults.py runs:
   it saw itself, and nothing of nanwatch's fails before that.
 - extra: rank 1 makes a watcher of another model first (an evaluation helper, say); rank 1's forward overflows at
   micro-batch 3 of the DDP model: both ranks raise the same error, naming rank 1, without waiting out rank_wait_s.
+- listener_dies: rank 1's listener fails as it starts (its connection dropped), so rank 1 polls its bell; rank 0's
+  forward overflows at micro-batch 3: both ranks raise the same error, naming rank 0.
 - two_models: each rank trains a model of its own (no DDP, different models); rank 1's overflows at micro-batch 3:
   rank 1 stops, rank 0 trains to the end.
 
@@ -30,6 +32,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import nanwatch
+from nanwatch.core import listener
 
 WAIT_S = 3.0
 
@@ -46,6 +49,7 @@ class Blowup(nn.Module):
 def _train(model: nn.Module, blowup: Blowup, arm_at: int | None, steps: int, record: dict[str, Any]) -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     with nanwatch.watch(model, optimizer=optimizer, rank_wait_s=WAIT_S, report_dir=None) as handle:
+        _LAST.append(handle)
         for step in range(steps):
             blowup.armed = step == arm_at
             record["detected_at"] = time.monotonic()
@@ -54,6 +58,20 @@ def _train(model: nn.Module, blowup: Blowup, arm_at: int | None, steps: int, rec
             optimizer.zero_grad()
             handle.step()
             record["steps_done"] = step + 1
+
+
+def _dies(self: Any) -> None:
+    self.failure = ConnectionResetError("the listener's connection dropped")
+    self.ready.set()
+    self._done.set()
+
+
+_LAST: list[Any] = []
+
+
+def _bell_of_last_watcher() -> Any:
+    board = _LAST[-1].watcher._arbiter._board
+    return None if board is None else board._bell
 
 
 def _model(width: int = 4) -> tuple[nn.Module, Blowup]:
@@ -105,6 +123,12 @@ def run(rank: int, scenario: str, out: Path, port: int) -> None:
             model, blowup = _model()
             ddp = DistributedDataParallel(model)
             _train(ddp, blowup, 3 if rank == 1 else None, 8, record)
+        elif scenario == "listener_dies":
+            if rank == 1:  # its listener's connection fails at once: the bell is polled from then on
+                listener.BellListener._listen = _dies  # type: ignore[method-assign]
+            model, blowup = _model()
+            ddp = DistributedDataParallel(model)
+            _train(ddp, blowup, 3 if rank == 0 else None, 8, record)
         elif scenario == "two_models":
             model, blowup = _model(4 if rank == 0 else 6)
             _train(model, blowup, 3 if rank == 1 else None, 8, record)
@@ -113,6 +137,7 @@ def run(rank: int, scenario: str, out: Path, port: int) -> None:
     except nanwatch.NonFiniteError as error:
         record["error"] = {"rank": error.rank, "batch_number": error.batch_number, "message": str(error)}
         record["took_s"] = time.monotonic() - record["detected_at"]
+        record["polled"] = isinstance(_bell_of_last_watcher(), listener.PolledBell)
     except BaseException as error:
         record["other_error"] = "".join(traceback.format_exception(error))
     (out / f"outcome-rank{rank}.json").write_text(json.dumps(record), encoding="utf-8")
