@@ -15,8 +15,9 @@ no rank detects anything, and a constant number of round trips per rank when one
   others, before every rank has the verdict.
 
 So a rank makes at most 5 round trips per detection, the deciding rank 7 (benchmarks/agreement.py counts them);
-the store's work per detection is O(N), and a verdict is reached within `wait_s` of the first post, or within
-`2 * wait_s` when a rank never posts. Every call to the store is guarded: a store that fails (its host rank exited,
+the store's work per detection is O(N). A rank that posted has the verdict within `wait_s` when every rank posts,
+within `2 * wait_s` when some never does, and raises at most `wait_s` after that (the acknowledgements): at most
+`3 * wait_s` in all, never a hang. Every call to the store is guarded: a store that fails (its host rank exited,
 `destroy_process_group()`) turns the agreement off with one warning, and each rank stops on what it saw itself.
 
 Keys come from what every rank shares: the group's ranks, the watched model's structure (module classes and
