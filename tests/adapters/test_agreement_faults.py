@@ -29,7 +29,9 @@ def _run(scenario: str, out: Path) -> tuple[list[dict[str, Any]], str]:
         text=True,
         timeout=120,
     )
-    outcomes = [json.loads((out / f"outcome-rank{rank}.json").read_text(encoding="utf-8")) for rank in (0, 1)]
+    written = [out / f"outcome-rank{rank}.json" for rank in (0, 1)]
+    assert all(path.exists() for path in written), f"a rank wrote no outcome:\n{result.stderr[-4000:]}"
+    outcomes = [json.loads(path.read_text(encoding="utf-8")) for path in written]
     for outcome in outcomes:
         assert outcome["other_error"] is None, outcome["other_error"]
     return outcomes, result.stderr

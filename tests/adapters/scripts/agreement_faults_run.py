@@ -137,7 +137,7 @@ def run(rank: int, scenario: str, out: Path, port: int) -> None:
     except nanwatch.NonFiniteError as error:
         record["error"] = {"rank": error.rank, "batch_number": error.batch_number, "message": str(error)}
         record["took_s"] = time.monotonic() - record["detected_at"]
-        record["polled"] = isinstance(_bell_of_last_watcher(), listener.PolledBell)
+        record["polled"] = bool(_LAST) and isinstance(_bell_of_last_watcher(), listener.PolledBell)
     except BaseException as error:
         record["other_error"] = "".join(traceback.format_exception(error))
     (out / f"outcome-rank{rank}.json").write_text(json.dumps(record), encoding="utf-8")
