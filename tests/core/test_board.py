@@ -116,9 +116,9 @@ def test_64_ranks_agree_on_the_frames_rank_with_a_bounded_number_of_round_trips(
     assert results == [Detection(5, 17, "train", "frames")] * 64
     trips = sorted(len(counted.calls) for _, counted in made)
     # append, add, ack add, ack wait (or set): 4 for every rank; the one that completed the count also read the
-    # posts, fixed the verdict and rang every bell: 7 (core/board.py's docstring).
+    # posts and rang every bell: 6 (core/board.py's docstring).
     assert trips[:-1] == [4] * 63
-    assert trips[-1] == 7
+    assert trips[-1] == 6
     for board in boards:
         board.close()
 
@@ -135,6 +135,33 @@ def test_ranks_that_saw_nothing_hear_the_verdict_without_asking_the_store(server
     assert results == [Detection(9, 3, "eval", "frames")] * 8
     quiet = [len(counted.calls) for member, (_, counted) in enumerate(made) if member != 3]
     assert quiet == [2] * 7  # the acknowledgement: add, then wait (or set)
+
+
+def test_ranks_that_may_not_wait_closing_the_count_together_write_one_verdict(server: Any) -> None:
+    # Two ranks detect in evaluation at once (no waiting) while the others post gradients: one decider, one verdict.
+    made = _boards(server, 8, "nanwatch/closers")
+    boards = [board for board, _ in made]
+    results: list[Detection | BaseException] = [TimeoutError("never ran")] * 8
+    start = threading.Event()
+
+    def rank(member: int) -> None:
+        start.wait()
+        eval_rank = member in (2, 5)
+        mine = Detection(4, member, "eval" if eval_rank else "train", "frames" if eval_rank else "gradients")
+        try:
+            results[member] = boards[member].settle(mine, wait=not eval_rank)
+        except BaseException as error:
+            results[member] = error
+
+    threads = [threading.Thread(target=rank, args=(member,), daemon=True) for member in range(8)]
+    for thread in threads:
+        thread.start()
+    start.set()
+    for thread in threads:
+        thread.join(timeout=4 * WAIT_S)
+    assert len(set(map(repr, results))) == 1, results
+    assert isinstance(results[0], Detection)
+    assert sum(len(counted.calls) == 6 for _, counted in made) == 1  # one rank decided
 
 
 def test_a_verdict_is_reached_when_a_rank_never_posts(server: Any) -> None:

@@ -5,16 +5,16 @@ nanwatch's own: one would pair with whatever the user's ranks run next). The pro
 no rank detects anything, and a constant number of round trips per rank when one does, however many ranks there are:
 
 - *post* (a rank that saw inf/nan): `append` its detection to one key, then `add` 1 to the count of posts.
-- *decide* (one rank): the rank whose `add` completed the count, or, when a rank may not wait, the poster itself, or,
-  when the wait runs out with posts missing, the one rank elected by `compare_set`: it reads every post in one `get`,
-  fixes the verdict with `compare_set` (the first fixed stays, whoever decides later), and writes it into every
-  rank's bell in one `multi_set`.
+- *decide* (one rank, whom the count names): the rank whose `add` completed the count, or the first rank to close
+  the count (adding a large constant: a rank that may not wait, as it posts; a rank whose wait ran out with posts
+  missing, after the wait). It reads every post in one `get` and writes the verdict into every rank's bell in one
+  `multi_set`. Exactly one rank finds the count complete or first closes it, so one verdict is ever written.
 - *hear* (every rank): its bell (core/listener.py), through a listener thread where the store can be cloned.
 - *acknowledge* (every rank): `add` 1 to the count of ranks that have the verdict; the rank that completes it says
   so, and every rank waits for that (bounded by `wait_s`) before it raises: no rank exits, and no launcher kills the
   others, before every rank has the verdict.
 
-So a rank makes at most 5 round trips per detection, the deciding rank 7 (benchmarks/agreement.py counts them);
+So a rank makes 4 round trips per detection, the deciding rank 6 (benchmarks/agreement.py counts them);
 the store's work per detection is O(N). A rank that posted has the verdict within `wait_s` when every rank posts,
 within `2 * wait_s` when some never does, and raises at most `wait_s` after that (the acknowledgements): at most
 `3 * wait_s` in all, never a hang. Every call to the store is guarded: a store that fails (its host rank exited,
@@ -47,6 +47,9 @@ __all__ = ["DetectionBoard", "StoreLost", "board_prefix", "group_of"]
 _logger = logging.getLogger("nanwatch")
 # Boards made in this process per (group, model structure): every rank makes its boards for a model in one order.
 _generations: defaultdict[str, Iterator[int]] = defaultdict(itertools.count)
+# Added to the count of posts by a rank that closes it (no waiting, or the wait ran out): counts at or above it say
+# the count is closed, and the first rank to close it (the only one that found it below) decides.
+_CLOSED = 1 << 40
 
 
 class StoreLost(RuntimeError):
@@ -92,7 +95,6 @@ class DetectionBoard:
         self.wait_s = wait_s
         self._posts_key = f"{prefix}/posts"
         self._count_key = f"{prefix}/count"
-        self._decider_key = f"{prefix}/decider"
         self._verdict_key = f"{prefix}/verdict"
         self._acks_key = f"{prefix}/acks"
         self._acked_key = f"{prefix}/acked"
@@ -171,26 +173,28 @@ class DetectionBoard:
         if mine is not None and not self._posted:
             self._posted = True
             self._call("append", self._posts_key, f"{mine.encode()};")
-            count = int(self._call("add", self._count_key, 1))
             wait = wait or mine.kind == "gradients"
-            if count >= self.world_size or not wait:
+            # A rank that may not wait closes the count as it posts: the first to close it decides, and no later
+            # poster's count can then read as complete.
+            added = 1 if wait else 1 + _CLOSED
+            count = int(self._call("add", self._count_key, added))
+            if count == self.world_size or (not wait and count - added < _CLOSED):
                 return self._decide()
         heard = self._hear(deadline)
         if heard is not None:
             return heard
-        # The wait ran out with posts missing (a rank died, or waits in a collective): one rank decides from what
-        # was posted, and every rank still waiting hears it.
-        if self._call("compare_set", self._decider_key, "", str(self.member)) == str(self.member).encode():
-            if self._nothing_posted():
+        # The wait ran out with posts missing (a rank died, or waits in a collective): the first rank to close the
+        # count decides from what was posted, unless every rank had posted (then the last poster decides), and
+        # every rank still waiting hears it.
+        count = int(self._call("add", self._count_key, _CLOSED))
+        if count - _CLOSED < _CLOSED and count - _CLOSED != self.world_size:
+            if count - _CLOSED == 0:
                 raise TimeoutError(f"no rank posted a detection within {self.wait_s:g} s")
             return self._decide()
         heard = self._hear(time.monotonic() + self.wait_s)
         if heard is None:
             raise TimeoutError(f"no verdict within {2 * self.wait_s:g} s")
         return heard
-
-    def _nothing_posted(self) -> bool:
-        return not self._call("check", [self._posts_key])
 
     def _hear(self, deadline: float) -> Detection | None:
         if getattr(self._bell, "listening", True) is False:
@@ -204,15 +208,14 @@ class DetectionBoard:
         return Detection.decode(value)
 
     def _decide(self) -> Detection:
-        """Read every post (one get), fix the verdict (the first one fixed stays), ring every rank's bell."""
+        """Read every post (one get), pick the verdict, write it into every rank's bell (one multi_set). Only one rank
+        of a board ever gets here: the count says which (`_settle`)."""
         raw = self._call("get", self._posts_key)
         text = raw.decode() if isinstance(raw, bytes) else str(raw)
         posted = [Detection.decode(entry) for entry in text.split(";") if entry.strip()]
-        best = min(posted, key=Detection.order).encode()
-        fixed = self._call("compare_set", self._verdict_key, "", best)
-        verdict = fixed.decode() if isinstance(fixed, bytes) else str(fixed)
+        verdict = min(posted, key=Detection.order).encode()
         bells = [f"{self._bell_prefix}{member}" for member in range(self.world_size)]
-        self._call("multi_set", bells, [verdict] * len(bells))
+        self._call("multi_set", [*bells, self._verdict_key], [verdict] * (len(bells) + 1))
         return Detection.decode(verdict)
 
     def _acknowledge(self) -> None:
