@@ -101,7 +101,7 @@ class DetectionBoard:
         self._bell_prefix = f"{prefix}/bell/"
         self._posted = False
         self.lost: BaseException | None = None
-        self.round_trips = 0  # this rank's calls to the store (the benchmark and the tests read it)
+        self.round_trips = 0  # calls this board made to the store (its listener's one get aside)
         self._bell: Bell = bell_for(store, f"{self._bell_prefix}{self.member}")
 
     @classmethod
