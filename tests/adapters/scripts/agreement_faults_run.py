@@ -46,18 +46,25 @@ class Blowup(nn.Module):
         return x * float("inf") if self.armed else x
 
 
+def _step(
+    model: nn.Module, optimizer: Any, handle: Any, record: dict[str, Any], step: int, *, armed: tuple[Blowup, bool]
+) -> None:
+    """One training step of micro-batch `step`, the blowup armed or not; the record says how far the run got."""
+    armed[0].armed = armed[1]
+    record["detected_at"] = time.monotonic()
+    model(torch.ones(2, 4)).sum().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    handle.step()
+    record["steps_done"] = step + 1
+
+
 def _train(model: nn.Module, blowup: Blowup, arm_at: int | None, steps: int, record: dict[str, Any]) -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     with nanwatch.watch(model, optimizer=optimizer, rank_wait_s=WAIT_S, report_dir=None) as handle:
         _LAST.append(handle)
         for step in range(steps):
-            blowup.armed = step == arm_at
-            record["detected_at"] = time.monotonic()
-            model(torch.ones(2, 4)).sum().backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            handle.step()
-            record["steps_done"] = step + 1
+            _step(model, optimizer, handle, record, step, armed=(blowup, step == arm_at))
 
 
 def _dies(self: Any) -> None:
@@ -86,11 +93,7 @@ def _destroy_then_train(rank: int, record: dict[str, Any]) -> None:
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01)
     handle = nanwatch.watch(ddp, optimizer=optimizer, rank_wait_s=WAIT_S, report_dir=None)
     for step in range(3):
-        ddp(torch.ones(2, 4)).sum().backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        handle.step()
-        record["steps_done"] = step + 1
+        _step(ddp, optimizer, handle, record, step, armed=(blowup, False))
     dist.barrier()
     dist.destroy_process_group()
     if rank == 0:
@@ -98,13 +101,7 @@ def _destroy_then_train(rank: int, record: dict[str, Any]) -> None:
         return  # and the process exits: the store it hosted is gone
     time.sleep(1.5)
     for step in range(3, 10):  # the inner model from now on, still watched by the same handle
-        blowup.armed = step == 6
-        record["detected_at"] = time.monotonic()
-        model(torch.ones(2, 4)).sum().backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        handle.step()
-        record["steps_done"] = step + 1
+        _step(model, optimizer, handle, record, step, armed=(blowup, step == 6))
 
 
 def run(rank: int, scenario: str, out: Path, port: int) -> None:
