@@ -13,6 +13,13 @@ more connection (`store.clone()`), as a real rank's would. For each N:
 
     python benchmarks/agreement.py                       # N = 16, 64, 256
     python benchmarks/agreement.py --ranks 16 64 256 1024 --output benchmarks/results/agreement.json
+    python benchmarks/agreement.py --ranks 16 64 256 1024 --processes 32 \\
+        --output benchmarks/results/agreement-processes.json
+
+With `--processes P` the ranks are spread over P worker processes (N/P rank threads each, every rank still with its
+own connections and board): closer to real ranks, which share no interpreter lock; all workers start the detection at
+one instant of the system's monotonic clock, which every process reads alike, and report when each rank had its
+verdict.
 
 Connecting is timed apart: on this project's machine one local TCP connect in about thirty takes 5 s, so a
 thousand simulated ranks (two thousand connections) take minutes to set up; a cluster connects once per rank.
@@ -73,14 +80,16 @@ def server_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def connect(port: int, count: int, prefix: str) -> list[tuple[DetectionBoard, Counted]]:
+def connect(port: int, world: int, members: range, prefix: str) -> list[tuple[DetectionBoard, Counted]]:
+    """Boards for `members` of a run of `world` ranks, each on its own connection, their listeners ready."""
+
     def one(member: int) -> tuple[DetectionBoard, Counted]:
         client = dist.TCPStore("127.0.0.1", port, None, False, timeout=datetime.timedelta(seconds=600))
         counted = Counted(client)
-        return DetectionBoard(counted, member, count, 30.0, prefix=prefix), counted
+        return DetectionBoard(counted, member, world, 30.0, prefix=prefix), counted
 
     with concurrent.futures.ThreadPoolExecutor(32) as pool:
-        made = list(pool.map(one, range(count)))
+        made = list(pool.map(one, members))
     for board, _ in made:
         bell = board._bell
         if isinstance(bell, BellListener):
@@ -88,60 +97,170 @@ def connect(port: int, count: int, prefix: str) -> list[tuple[DetectionBoard, Co
     return made
 
 
-def idle(made: list[tuple[DetectionBoard, Counted]], pid: int, micro_batches: int, seconds: float) -> dict[str, float]:
-    before_calls = sum(counted.calls for _, counted in made)
-    before_cpu = server_cpu_s(pid)
-    began = time.monotonic()
+def idle_calls(made: list[tuple[DetectionBoard, Counted]], micro_batches: int, seconds: float) -> int:
+    """What the hot path asks of the store over `micro_batches` micro-batches paced across `seconds`: store calls."""
+    before = sum(counted.calls for _, counted in made)
     pace = seconds / micro_batches
     for _ in range(micro_batches):
         for board, _ in made:
             board.posted_elsewhere()
         time.sleep(pace)
-    took = time.monotonic() - began
-    calls = sum(counted.calls for _, counted in made) - before_calls
-    return {
-        "ops_per_micro_batch_per_rank": calls / (micro_batches * len(made)),
-        "ops_per_second_per_rank": calls / (took * len(made)),
-        "server_cpu_s_per_s": (server_cpu_s(pid) - before_cpu) / took,
-    }
+    return sum(counted.calls for _, counted in made) - before
 
 
-def detection(made: list[tuple[DetectionBoard, Counted]], pid: int) -> dict[str, Any]:
-    count = len(made)
-    frames_rank = count // 3
-    verdicts: list[Any] = [None] * count
-    finished = [0.0] * count
-    start = threading.Event()
+def use_polled_bells(made: list[tuple[DetectionBoard, Counted]]) -> list[Any]:
+    """Swap every listener for the fallback (a polled bell, at most one look per second); the listeners, to put back."""
+    listeners = [board._bell for board, _ in made]
+    for board, counted in made:
+        board._bell = PolledBell(counted, board._bell.key)
+    listener_module.POLL_INTERVAL_S = 1.0
+    return listeners
+
+
+def settle_all(made: list[tuple[DetectionBoard, Counted]], world: int, start_at: float) -> dict[str, Any]:
+    """Every rank posts at `start_at` (the system's monotonic clock) and settles, each in a thread of its own (as
+    under DDP, where a nan on one rank reaches every rank's gradients: one rank "frames", the others "gradients")."""
+    frames_rank = world // 3
+    expected = Detection(7, frames_rank, "train", "frames")
+    agreed = [False] * len(made)
+    finished = [0.0] * len(made)
     before = [counted.calls for _, counted in made]
 
-    def rank(member: int) -> None:
-        board = made[member][0]
-        mine = Detection(7, member, "train", "frames" if member == frames_rank else "gradients")
-        start.wait()
+    def rank(index: int) -> None:
+        board = made[index][0]
+        mine = Detection(7, board.member, "train", "frames" if board.member == frames_rank else "gradients")
+        time.sleep(max(0.0, start_at - time.monotonic()))
         try:
-            verdicts[member] = board.settle(mine)
-        except BaseException as error:
-            verdicts[member] = error
-        finished[member] = time.monotonic()
+            agreed[index] = board.settle(mine) == expected
+        except BaseException:
+            agreed[index] = False
+        finished[index] = time.monotonic()
 
-    threads = [threading.Thread(target=rank, args=(member,), daemon=True) for member in range(count)]
+    threads = [threading.Thread(target=rank, args=(index,), daemon=True) for index in range(len(made))]
     for thread in threads:
         thread.start()
-    cpu_before = server_cpu_s(pid)
-    began = time.monotonic()
-    start.set()
     for thread in threads:
         thread.join(600)
     trips = [counted.calls - b for (_, counted), b in zip(made, before, strict=True)]
-    expected = Detection(7, frames_rank, "train", "frames")
-    return {
-        "agreed": all(verdict == expected for verdict in verdicts),
-        "last_verdict_s": max(finished) - began,
-        "median_verdict_s": statistics.median(f - began for f in finished),
+    return {"agreed": all(agreed), "finished": finished, "trips": trips}
+
+
+class Workers:
+    """The ranks spread over worker processes (this script with `--worker`), driven by lines on their stdin."""
+
+    def __init__(self, port: int, world: int, processes: int, prefix: str) -> None:
+        share = -(-world // processes)
+        self._procs = []
+        for first in range(0, world, share):
+            count = min(share, world - first)
+            command = [sys.executable, __file__, "--worker", str(port), str(world), str(first), str(count), prefix]
+            self._procs.append(subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
+        self.ask("ready")
+
+    def ask(self, *words: Any) -> list[Any]:
+        for proc in self._procs:
+            assert proc.stdin is not None
+            proc.stdin.write(" ".join(map(str, words)) + "\n")
+            proc.stdin.flush()
+        answers = []
+        for proc in self._procs:
+            assert proc.stdout is not None
+            line = proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"a worker ended (rc {proc.wait()})")
+            answers.append(json.loads(line))
+        return answers
+
+    def close(self) -> None:
+        for proc in self._procs:
+            assert proc.stdin is not None
+            proc.stdin.close()
+        for proc in self._procs:
+            proc.wait(120)
+
+
+def worker(port: int, world: int, first: int, count: int, prefix: str) -> int:
+    """One worker process: its ranks' boards; answers one JSON line per command read from stdin."""
+    made = connect(port, world, range(first, first + count), prefix)
+    listeners: list[Any] = []
+    for line in sys.stdin:
+        words = line.split()
+        answer: Any = None
+        if words[0] == "idle":
+            answer = idle_calls(made, int(words[1]), float(words[2]))
+        elif words[0] == "polled":
+            listeners = use_polled_bells(made)
+        elif words[0] == "listen":
+            for (board, _), bell in zip(made, listeners, strict=True):
+                board._bell = bell
+        elif words[0] == "settle":
+            answer = settle_all(made, world, float(words[1]))
+        print(json.dumps(answer), flush=True)
+    for board, _ in made:
+        board.close()
+    return 0
+
+
+def measure(port: int, pid: int, count: int, processes: int) -> dict[str, Any]:
+    """One N: connect, idle with listeners, idle polled, one detection; in this process's threads or in workers."""
+    prefix = f"bench/{count}/{processes}"
+    began = time.monotonic()
+    if processes > 1:
+        workers = Workers(port, count, processes, prefix)
+    else:
+        made = connect(port, count, range(count), prefix)
+    connected = time.monotonic() - began
+
+    def idle(micro_batches: int, seconds: float) -> dict[str, float]:
+        cpu, began = server_cpu_s(pid), time.monotonic()
+        if processes > 1:
+            calls = sum(workers.ask("idle", micro_batches, seconds))
+        else:
+            calls = idle_calls(made, micro_batches, seconds)
+        took = time.monotonic() - began
+        return {
+            "ops_per_micro_batch_per_rank": calls / (micro_batches * count),
+            "ops_per_second_per_rank": calls / (took * count),
+            "server_cpu_s_per_s": (server_cpu_s(pid) - cpu) / took,
+        }
+
+    listening = idle(100, 2.0)
+    if processes > 1:
+        workers.ask("polled")
+    else:
+        listeners = use_polled_bells(made)
+    polling = idle(100, 3.0)
+    if processes > 1:
+        workers.ask("listen")
+    else:
+        for (board, _), bell in zip(made, listeners, strict=True):
+            board._bell = bell
+    cpu = server_cpu_s(pid)
+    start_at = time.monotonic() + (1.0 if processes > 1 else 0.2)  # every rank thread started and asleep by then
+    parts = workers.ask("settle", start_at) if processes > 1 else [settle_all(made, count, start_at)]
+    finished = [f for part in parts for f in part["finished"]]
+    trips = [t for part in parts for t in part["trips"]]
+    found = {
+        "agreed": all(part["agreed"] for part in parts),
+        "last_verdict_s": max(finished) - start_at,
+        "median_verdict_s": statistics.median(f - start_at for f in finished),
         "round_trips_per_rank_max": max(trips),
         "round_trips_per_rank_median": statistics.median(trips),
         "ranks_over_5_round_trips": sum(trip > 5 for trip in trips),
-        "server_cpu_s": server_cpu_s(pid) - cpu_before,
+        "server_cpu_s": server_cpu_s(pid) - cpu,
+    }
+    if processes > 1:
+        workers.close()
+    else:
+        for board, _ in made:
+            board.close()
+    return {
+        "ranks": count,
+        "processes": processes,
+        "connect_s": connected,
+        "idle_listener": listening,
+        "idle_polled": polling,
+        **found,
     }
 
 
@@ -189,8 +308,12 @@ def choreography_floor(count: int) -> float:
 
 
 def main() -> int:
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        port, world, first, count = (int(word) for word in sys.argv[2:6])
+        return worker(port, world, first, count, sys.argv[6])
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, nargs="+", default=[16, 64, 256])
+    parser.add_argument("--processes", type=int, default=1, help="spread the ranks over this many worker processes")
     parser.add_argument("--output", default=None, help="write the figures as JSON here")
     args = parser.parse_args()
     server = subprocess.Popen([sys.executable, "-c", _SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -199,36 +322,32 @@ def main() -> int:
     rows = []
     try:
         for count in args.ranks:
-            began = time.monotonic()
-            made = connect(port, count, f"bench/{count}")
-            connected = time.monotonic() - began
-            listening = idle(made, server.pid, micro_batches=100, seconds=2.0)
-            listeners = [board._bell for board, _ in made]
-            for board, counted in made:  # the fallback, for a while: a polled bell, at most one look per second
-                board._bell = PolledBell(counted, board._bell.key)
-            listener_module.POLL_INTERVAL_S = 1.0
-            polling = idle(made, server.pid, micro_batches=100, seconds=3.0)
-            for (board, _), bell in zip(made, listeners, strict=True):
-                board._bell = bell
-            found = detection(made, server.pid)
-            found["simulation_floor_s"] = choreography_floor(count)
-            row = {"ranks": count, "connect_s": connected, "idle_listener": listening, "idle_polled": polling, **found}
+            row = measure(port, server.pid, count, min(args.processes, count))
+            if row["processes"] == 1:
+                row["simulation_floor_s"] = choreography_floor(count)
             rows.append(row)
+            listening, polling = row["idle_listener"], row["idle_polled"]
             idle_text = (
                 f"idle, listener: {listening['ops_per_micro_batch_per_rank']:.2f} ops/micro-batch/rank, server "
                 f"{listening['server_cpu_s_per_s'] * 100:.2f} % CPU | idle, polled: "
                 f"{polling['ops_per_second_per_rank']:.2f} ops/s/rank"
             )
-            found_text = (
-                f"detection: agreed {found['agreed']}, round trips/rank median "
-                f"{found['round_trips_per_rank_median']:.0f} max {found['round_trips_per_rank_max']} "
-                f"({found['ranks_over_5_round_trips']} over 5), server {found['server_cpu_s'] * 1000:.0f} ms CPU, "
-                f"last verdict {found['last_verdict_s'] * 1000:.0f} ms (the same thread wake-ups with no store: "
-                f"{found['simulation_floor_s'] * 1000:.0f} ms)"
+            floor = row.get("simulation_floor_s")
+            floor_text = (
+                f" (the same thread wake-ups with no store: {floor * 1000:.0f} ms)" if floor is not None else ""
             )
-            print(f"N={count:5d}  connect {connected:6.1f} s | {idle_text} | {found_text}", flush=True)
-            for board, _ in made:
-                board.close()
+            found_text = (
+                f"detection: agreed {row['agreed']}, round trips/rank median "
+                f"{row['round_trips_per_rank_median']:.0f} max {row['round_trips_per_rank_max']} "
+                f"({row['ranks_over_5_round_trips']} over 5), server {row['server_cpu_s'] * 1000:.0f} ms CPU, "
+                f"last verdict {row['last_verdict_s'] * 1000:.0f} ms, median {row['median_verdict_s'] * 1000:.0f} ms"
+                f"{floor_text}"
+            )
+            print(
+                f"N={count:5d} in {row['processes']} process(es)  connect {row['connect_s']:6.1f} s | {idle_text} | "
+                f"{found_text}",
+                flush=True,
+            )
     finally:
         assert server.stdin is not None
         server.stdin.close()
