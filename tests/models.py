@@ -177,3 +177,27 @@ def tiny_vit() -> Any:
     )
     torch.manual_seed(0)
     return transformers.ViTForImageClassification(config)
+
+
+# ------------------------------------------------------------------ an optimizer step that overflows the weights
+
+
+class OverflowingSGD(torch.optim.SGD):
+    """SGD (lr 0.01) whose step number `at` (1-indexed) applies an infinite learning rate: finite gradients, weights
+    inf/nan after that update, as an fp16/bf16 run's weights go when one update overflows.
+
+    Used by the checkpoint guard's tests in every adapter: the checkpoint saved after step `at` is the poisoned one.
+    """
+
+    def __init__(self, params: Any, at: int) -> None:
+        super().__init__(params, lr=0.01)
+        self.at = at
+        self.steps = 0
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        self.steps += 1
+        if self.steps == self.at:
+            for group in self.param_groups:
+                group["lr"] = math.inf
+        return super().step(closure)

@@ -26,7 +26,9 @@ if TYPE_CHECKING:
         LossScaleBelowFloor,
         NanwatchError,
         NanwatchWarning,
+        NonFiniteCheckpoint,
         NonFiniteError,
+        StepsSkippedInARow,
     )
     from nanwatch.repro import enable_full_determinism, main_process_first, set_seed
 
@@ -37,8 +39,10 @@ __all__ = [
     "LossScaleBelowFloor",
     "NanwatchError",
     "NanwatchWarning",
+    "NonFiniteCheckpoint",
     "NonFiniteError",
     "Report",
+    "StepsSkippedInARow",
     "WatchConfig",
     "WatchHandle",
     "__version__",
@@ -57,6 +61,8 @@ _HOMES = {
     "NanwatchError": "nanwatch.errors",
     "NanwatchWarning": "nanwatch.errors",
     "NonFiniteError": "nanwatch.errors",
+    "NonFiniteCheckpoint": "nanwatch.errors",
+    "StepsSkippedInARow": "nanwatch.errors",
     "WatchConfig": "nanwatch.core.config",
     "Report": "nanwatch.core.report",
     "WatchHandle": "nanwatch.adapters.plain",

@@ -11,8 +11,10 @@ __all__ = [
     "LossScaleBelowFloor",
     "NanwatchError",
     "NanwatchWarning",
+    "NonFiniteCheckpoint",
     "NonFiniteError",
     "PlotError",
+    "StepsSkippedInARow",
     "ReplayError",
 ]
 
@@ -120,6 +122,49 @@ class LossScaleBelowFloor(NonFiniteError):
         self.loss_scale = loss_scale
         self.min_loss_scale = min_loss_scale
         self.scale_history = scale_history
+
+
+class StepsSkippedInARow(NonFiniteError):
+    """`on_detect="skip"`: inf/nan again, after `max_consecutive_skips` optimizer steps skipped in a row; the run
+    stops here (a `NonFiniteError`, whose report is this last detection's).
+
+    Attributes:
+        skipped: the steps skipped in a row before this one.
+    """
+
+    def __init__(self, message: str, *, skipped: int, **details: Any) -> None:
+        super().__init__(message, **details)
+        self.skipped = skipped
+
+
+class NonFiniteCheckpoint(NanwatchError, ValueError):
+    """A checkpoint about to be written holds inf/nan: it was not written under the name it was to have.
+
+    Attributes:
+        path: where the checkpoint was to be written.
+        non_finite: `(where, "inf" | "nan")` for each tensor that is not finite (where: `state_dict.fc.weight`).
+        quarantine_path: where it was written aside instead (`checkpoint_guard="quarantine"`), else None.
+        last_good: `(path, optimizer step)` of the last checkpoint this run verified finite, the one to resume from;
+            None when none was.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        path: str,
+        non_finite: list[tuple[str, str]],
+        quarantine_path: str | None = None,
+        last_good: tuple[str, int | None] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.path = path
+        self.non_finite = non_finite
+        self.quarantine_path = quarantine_path
+        self.last_good = last_good
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (_rebuild, (type(self), self.args[0], self.__dict__.copy()))
 
 
 class BatchLimitReached(NanwatchError, ValueError):

@@ -135,6 +135,25 @@ class OverflowTrainerCallback(TrainerCallback):  # type: ignore[misc,unused-igno
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         if self._summary.due:  # on every rank alike (see HeldForLog)
             control.should_log = True
+        self._before_save(args, state, control, kwargs)
+
+    def on_epoch_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        self._before_save(args, state, control, kwargs)
+
+    def _before_save(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, kwargs: dict[str, Any]
+    ) -> None:
+        # The Trainer saves (and rotates older checkpoints out) right after these events when its control says so.
+        watcher = self.watcher
+        if watcher is not None and control.should_save:
+            model, optimizer = kwargs.get("model"), kwargs.get("optimizer")
+            self._run(
+                lambda: _common.verify_trainer_save(
+                    watcher, args.output_dir or ".", state.global_step, model, optimizer
+                )
+            )
 
     def on_log(
         self,

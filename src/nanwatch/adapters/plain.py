@@ -10,6 +10,7 @@ nothing); one watcher per model (`_common.take_over`).
 from __future__ import annotations
 
 import contextlib
+import os
 from types import TracebackType
 from typing import Any
 
@@ -108,6 +109,17 @@ class WatchHandle(_common.UserHandle):
 
         _common.stop_on_error(self.watcher, end)
         self._scale.step_done()
+
+    def save_checkpoint(self, state: Any, path: str | os.PathLike[str], *, step: int | None = None) -> None:
+        """`torch.save(state, path)`, once every weight and optimizer state in `state` is checked finite (one fused
+        check; `checkpoint_guard`). Pass modules and optimizers or their state dicts: `{"model": model.state_dict(),
+        "optimizer": optimizer.state_dict()}`. A finite checkpoint is the one later reports name as where to resume.
+
+        Raises:
+            NonFiniteCheckpoint: `state` holds inf/nan; nothing was written to `path` (with `checkpoint_guard=
+                "quarantine"`, it was written to `<path>.nonfinite`).
+        """
+        _common.save_checked(self.watcher, state, path, step)
 
     def check(self) -> None:
         """Check now (one host sync, and a collective when distributed) rather than waiting for `step()`."""

@@ -122,6 +122,23 @@ class AdapterContract(EngineState, Protocol):
             ValueError: `read_scale` is neither of the two.
         """
 
+    def verify_checkpoint(
+        self,
+        state: Any,
+        path: str,
+        *,
+        step: int | None = None,
+        write_aside: Callable[[str], None] | None = None,
+    ) -> None:
+        """Before a checkpoint is written to `path`: check that every floating-point tensor of `state` (dicts,
+        lists, modules, optimizers) is finite (`checkpoint_guard`); a finite one becomes the last good checkpoint,
+        named in every later report. `step`: its optimizer step (the watcher's count when None). `write_aside(path)`:
+        writes it under another path, for `checkpoint_guard="quarantine"`.
+
+        Raises:
+            NonFiniteCheckpoint: it holds inf/nan (the framework must not write it).
+        """
+
     # ------------------------------------------------------------------------------------- counters, state
 
     @property

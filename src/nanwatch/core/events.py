@@ -18,6 +18,7 @@ The events, in the order a micro-batch meets them:
 - `judge(ctx, report, checked)`: raise the report (return it, perhaps changed) or tolerate it (return None).
 - `on_publish(ctx, report)`: the report is logged and on disk; the error is about to be raised.
 - `on_batch_end(ctx, phase, batch_number)`, `on_optimizer_step(ctx, stage, optimizer)`, `on_scaler(ctx, ...)`.
+- `on_checkpoint(ctx, state, path, step, write_aside)`: a checkpoint is about to be written (the checkpoint guard).
 - `readouts()`: what the feature offers adapters and users (its summary, the loss scale's history).
 - `close(ctx)`: watching ended (after `detach`): summaries, release what was held.
 """
@@ -228,6 +229,12 @@ class Feature:
         self, ctx: EngineContext, stage: OptimizerStage, optimizer: torch.optim.Optimizer | None
     ) -> None:
         """An optimizer step is at `stage`."""
+
+    def on_checkpoint(
+        self, ctx: EngineContext, state: Any, path: str, step: int | None, write_aside: Callable[[str], None] | None
+    ) -> None:
+        """`state` (what a checkpoint holds: dicts, modules, optimizers, tensors) is about to be written to `path`;
+        raising stops the write. `write_aside(path)` writes it elsewhere (None where the adapter cannot)."""
 
     def readouts(self) -> Mapping[Readout[Any], Callable[[], Any]]:
         """What this feature offers adapters and users (core/readouts.py), read when asked."""

@@ -18,6 +18,7 @@ __all__ = [
     "ABSMAX_PREFIX",
     "BATCH_KEY",
     "GLOBAL_KEY",
+    "LAST_GOOD_CHECKPOINT",
     "LOSS_SCALE_HISTORY",
     "METRIC_PREFIX",
     "SUMMARY",
@@ -229,3 +230,5 @@ def order_key(value: float) -> float:
 SUMMARY: Readout[Callable[[], Summary | None]] = Readout("summary")
 # The loss scale's history under a GradScaler, or None without one.
 LOSS_SCALE_HISTORY: Readout[Callable[[], LossScaleHistory | None]] = Readout("loss_scale_history")
+# The last checkpoint verified finite before it was written, as (path, optimizer step), or None before any.
+LAST_GOOD_CHECKPOINT: Readout[Callable[[], tuple[str, int | None] | None]] = Readout("last_good_checkpoint")

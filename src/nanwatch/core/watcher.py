@@ -290,6 +290,18 @@ class Watcher(Readings):
         """`AdapterContract.watch_scaler` (core/contract.py)."""
         self._features.dispatch("on_scaler", checked_scaler(scaler, read_scale), read_scale)
 
+    def verify_checkpoint(
+        self,
+        state: Any,
+        path: str,
+        *,
+        step: int | None = None,
+        write_aside: Callable[[str], None] | None = None,
+    ) -> None:
+        """`AdapterContract.verify_checkpoint` (core/contract.py)."""
+        step = self._counters.optimizer_step if step is None else step
+        self._features.dispatch("on_checkpoint", state, str(path), step, write_aside)
+
     def state_dict(self) -> dict[str, Any]:
         return self._counters.state_dict()
 

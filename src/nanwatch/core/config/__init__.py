@@ -161,6 +161,29 @@ class WatchConfig(BaseModel):
         "reference that changes before the replay (a forward that changes it in place, a loop that refills a "
         'preallocated buffer) makes the verdict "not replayable", never "not reproduced".',
     )
+    on_detect: Literal["raise", "skip"] = Field(
+        "raise",
+        description='What a detection in training does. "raise": every rank raises NonFiniteError (the report on '
+        'disk first). "skip": the optimizer step it reaches is not applied (the gradients are cleared, so the '
+        "optimizer changes nothing; a GradScaler does its own skipping as before), the report is written, the "
+        "micro-batch is appended to report_dir/skipped.jsonl, and the run goes on; every rank skips the same step. "
+        "Needs an optimizer nanwatch guards (every adapter's, or watch(optimizer=...)); a detection in evaluation "
+        'is reported and raised as with "raise".',
+    )
+    max_consecutive_skips: int = Field(
+        3,
+        ge=0,
+        description='With on_detect="skip": raise (StepsSkippedInARow) at a detection that would make this many + 1 '
+        "optimizer steps skipped in a row: a run that keeps going non-finite is not saved by skipping.",
+    )
+    checkpoint_guard: Literal["refuse", "quarantine", "off"] = Field(
+        "refuse",
+        description="Before a checkpoint is written through the framework (Lightning's save_checkpoint, the HF "
+        "Trainer's checkpoint saves, Accelerate's save_state, the plain loop's handle.save_checkpoint()), check "
+        'that every weight and optimizer state is finite (one fused check). "refuse": a non-finite checkpoint is '
+        "not written (NonFiniteCheckpoint, naming the tensors and the last checkpoint verified finite); "
+        '"quarantine": the same error, after writing it aside as <path>.nonfinite for inspection; "off": no check.',
+    )
 
     if not TYPE_CHECKING:  # type checkers keep the signature pydantic's plugin gives: one argument per field
 
@@ -228,6 +251,7 @@ class WatchConfig(BaseModel):
         "watch_first_batch",
         "watch_last_batch",
         "summary_every_n_batches",
+        "max_consecutive_skips",
         mode="before",
     )
     @classmethod

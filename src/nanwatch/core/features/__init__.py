@@ -5,6 +5,7 @@ from __future__ import annotations
 from nanwatch.core.config import WatchConfig
 from nanwatch.core.events import Feature
 from nanwatch.core.features.capture import ReplayCapture
+from nanwatch.core.features.checkpoints import CheckpointGuard
 from nanwatch.core.features.culprit import CulpritFeature
 from nanwatch.core.features.gradients import GradientRecorder
 from nanwatch.core.features.guard import GradientGuard
@@ -38,4 +39,5 @@ def features_for(config: WatchConfig) -> list[Feature]:
     if config.capture_on_detect:
         features.append(ReplayCapture())
     features.append(SummaryFeature(config.summary_every_n_batches))
+    features.append(CheckpointGuard(config.checkpoint_guard))  # acts only when an adapter hands it a checkpoint
     return features

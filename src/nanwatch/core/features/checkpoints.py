@@ -1,0 +1,78 @@
+"""The checkpoint guard: a checkpoint that holds inf/nan is never written under the framework's name.
+
+Users of long runs lose them this way: a nan reaches the weights (or an optimizer's moments), the next checkpoint saves
+it, the healthy ones rotate out, and an automatic resume loads the nan again. Each adapter hands what is about to be
+written (`Watcher.verify_checkpoint`) before the framework writes it: one fused finiteness check of every floating-point
+tensor in it (core/stats/finite.py), small next to the write it guards. A finite checkpoint becomes the run's "last good
+one", which every later report names as where to resume; a non-finite one raises `NonFiniteCheckpoint` before anything
+is written (and before a framework rotates older checkpoints out), written aside first under `quarantine`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from nanwatch.core.events import EngineContext, Feature
+from nanwatch.core.frames import ResolvedFrame
+from nanwatch.core.readouts import LAST_GOOD_CHECKPOINT, Readout
+from nanwatch.core.report import Report, ReportSection
+from nanwatch.core.stats.finite import MAX_NAMED, non_finite_tensors
+from nanwatch.errors import NonFiniteCheckpoint
+
+__all__ = ["CheckpointGuard", "QUARANTINE_SUFFIX"]
+
+QUARANTINE_SUFFIX = ".nonfinite"
+
+
+class CheckpointGuard(Feature):
+    name = "checkpoints"
+
+    def __init__(self, policy: str) -> None:
+        self._policy = policy
+        self.last_good: tuple[str, int | None] | None = None
+
+    def on_checkpoint(
+        self,
+        ctx: EngineContext,
+        state: Any,
+        path: str,
+        step: int | None,
+        write_aside: Callable[[str], None] | None,
+    ) -> None:
+        if self._policy == "off":
+            return
+        bad, checked = non_finite_tensors(state)
+        if not bad:
+            self.last_good = (path, step)
+            return
+        aside = None
+        if self._policy == "quarantine" and write_aside is not None:
+            aside = f"{path.rstrip('/')}{QUARANTINE_SUFFIX}"
+            write_aside(aside)
+        shown = ", ".join(f"{where} {word}" for where, word in bad[:MAX_NAMED])
+        more = f" and {len(bad) - MAX_NAMED} more" if len(bad) > MAX_NAMED else ""
+        written = f"written aside as {aside!r} instead" if aside is not None else "not written"
+        message = (
+            f"nanwatch: the checkpoint {path!r} (optimizer step {step}) holds inf/nan: {shown}{more} ({len(bad)} of "
+            f"{checked} floating-point tensors); {written}. {_resume_from(self.last_good)}"
+        )
+        ctx.logger.error(message)
+        raise NonFiniteCheckpoint(message, path=path, non_finite=bad, quarantine_path=aside, last_good=self.last_good)
+
+    def annotate(self, ctx: EngineContext, report: Report, resolved: Sequence[ResolvedFrame], first: int) -> Report:
+        if self.last_good is None:  # nothing saved through the guard yet: no line (a report stays transformers' own)
+            return report
+        path, step = self.last_good
+        data = {"path": path, "optimizer_step": step}
+        return report.with_section(ReportSection("checkpoint", 90, (_resume_from(self.last_good),), data))
+
+    def readouts(self) -> Mapping[Readout[Any], Callable[[], Any]]:
+        return {LAST_GOOD_CHECKPOINT: lambda: self.last_good}
+
+
+def _resume_from(last_good: tuple[str, int | None] | None) -> str:
+    if last_good is None:
+        return "No checkpoint of this run was verified finite before it."
+    path, step = last_good
+    return f"Last checkpoint verified finite: {path!r} (optimizer step {step}): resume from there."

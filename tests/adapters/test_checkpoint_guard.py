@@ -1,0 +1,277 @@
+"""The checkpoint guard in every adapter, with the real frameworks: a checkpoint whose weights an optimizer update
+overflowed is refused before it is written (no framework rotates the last good one out), the error and every later
+report name the last checkpoint verified finite, and "quarantine" writes the refused one aside."""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from tests.models import OverflowingSGD, small_mlp
+from torch import nn
+
+from nanwatch import NonFiniteCheckpoint, NonFiniteError, watch
+from nanwatch.core.stats.finite import non_finite_tensors
+
+SCRIPTS = Path(__file__).parent / "scripts"
+sys.path.insert(0, str(SCRIPTS))
+
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:.*does not have many workers.*",
+    "ignore:.*isinstance\\(treespec, LeafSpec\\).*",
+    "ignore:.*smaller than the logging interval.*",
+    "ignore:.*Checkpoint directory .* exists and is not empty.*",
+)
+
+
+def _batches(count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(1)
+    return [(torch.randn(4, 4, generator=generator), torch.randn(4, 1, generator=generator)) for _ in range(count)]
+
+
+def _state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    return {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+
+
+# ------------------------------------------------------------------------------------------ the check itself
+
+
+def test_the_fused_check_names_each_non_finite_tensor_and_counts_the_rest() -> None:
+    model = small_mlp()
+    optimizer = torch.optim.Adam(model.parameters())
+    model(torch.randn(2, 4)).sum().backward()
+    optimizer.step()
+    assert non_finite_tensors(_state(model, optimizer)) == ([], 4 + 4 * 2 + 4)  # weights, Adam's moments, its steps
+
+    with torch.no_grad():
+        model[0].weight[0, 0] = math.nan
+        model[3].bias.fill_(math.inf)
+    optimizer.state[model[0].bias]["exp_avg"][1] = -math.inf
+    bad, checked = non_finite_tensors(_state(model, optimizer))
+    assert bad == [("model.0.weight", "nan"), ("model.3.bias", "inf"), ("optimizer.state.1.exp_avg", "inf")]
+    assert checked == 16
+
+
+def test_integers_empty_tensors_and_other_values_are_not_in_the_way() -> None:
+    state = {
+        "ids": torch.tensor([1, 2]),
+        "empty": torch.empty(0),
+        "epoch": 3,
+        "name": "x",
+        "half": torch.ones(2).half(),
+    }
+    assert non_finite_tensors(state) == ([], 1)
+    assert non_finite_tensors({"half": torch.tensor([65504.0]).half() * 2}) == ([("half", "inf")], 1)
+
+
+# ------------------------------------------------------------------------------------------- the plain loop
+
+
+def _plain_run(tmp_path: Path, **config: Any) -> tuple[NonFiniteCheckpoint, list[Path]]:
+    model = small_mlp()
+    optimizer = OverflowingSGD(model.parameters(), at=3)
+    paths = []
+    with watch(model, optimizer=optimizer, **config) as handle:
+        for step, (x, y) in enumerate(_batches(5), start=1):
+            optimizer.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+            optimizer.step()
+            handle.step()
+            paths.append(tmp_path / f"ckpt-{step}.pt")
+            try:
+                handle.save_checkpoint(_state(model, optimizer), paths[-1])
+            except NonFiniteCheckpoint as error:
+                return error, paths
+    raise AssertionError("the poisoned checkpoint was written")
+
+
+def test_plain_a_poisoned_checkpoint_is_refused_and_the_last_good_one_named(tmp_path: Path) -> None:
+    error, paths = _plain_run(tmp_path)
+
+    assert len(paths) == 3
+    assert paths[0].exists()
+    assert paths[1].exists()
+    assert not paths[2].exists()
+    assert not Path(f"{paths[2]}.nonfinite").exists()
+    assert error.path == str(paths[2])
+    assert error.last_good == (str(paths[1]), 2)
+    assert error.quarantine_path is None
+    assert ("model.0.weight", "inf") in error.non_finite or ("model.0.weight", "nan") in error.non_finite
+    assert f"'{paths[1]}' (optimizer step 2): resume from there" in str(error)
+    assert "not written" in str(error)
+    reloaded = torch.load(paths[1], weights_only=True)
+    assert non_finite_tensors(reloaded)[0] == []
+
+
+def test_plain_quarantine_writes_the_refused_checkpoint_aside(tmp_path: Path) -> None:
+    error, paths = _plain_run(tmp_path, checkpoint_guard="quarantine")
+
+    aside = Path(f"{paths[2]}.nonfinite")
+    assert error.quarantine_path == str(aside)
+    assert aside.exists()
+    assert not paths[2].exists()
+    assert non_finite_tensors(torch.load(aside, weights_only=True))[0] != []
+    assert "written aside" in str(error)
+
+
+def test_plain_guard_off_writes_whatever_it_is_given(tmp_path: Path) -> None:
+    model = small_mlp()
+    with torch.no_grad():
+        model[0].weight.fill_(math.nan)
+    with watch(model, checkpoint_guard="off") as handle:
+        handle.save_checkpoint(model.state_dict(), tmp_path / "nan.pt")
+    assert (tmp_path / "nan.pt").exists()
+
+
+def test_plain_every_later_report_names_the_last_good_checkpoint(tmp_path: Path) -> None:
+    model = small_mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    good = tmp_path / "good.pt"
+
+    def train() -> None:
+        with watch(model, optimizer=optimizer, report_dir=tmp_path) as handle:
+            for index, (x, y) in enumerate(_batches(4)):
+                if index == 2:
+                    model[2].factor = math.inf
+                optimizer.zero_grad()
+                nn.functional.mse_loss(model(x), y).backward()
+                optimizer.step()
+                handle.step()
+                handle.save_checkpoint(_state(model, optimizer), good)
+
+    with pytest.raises(NonFiniteError) as caught:
+        train()
+    line = f"Last checkpoint verified finite: '{good}' (optimizer step 2): resume from there."
+    assert line in caught.value.report
+    assert line in (tmp_path / "nanwatch-report-rank0-batch2.txt").read_text(encoding="utf-8")
+
+
+# ---------------------------------------------------------------------------------------------- Lightning
+
+
+def test_lightning_refuses_the_poisoned_checkpoint_and_keeps_the_last_good_one(tmp_path: Path) -> None:
+    pytest.importorskip("lightning")
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from nanwatch.adapters.lightning import OverflowCallback
+
+    class Regressor(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = small_mlp()
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            return nn.functional.mse_loss(self.net(x), y)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return OverflowingSGD(self.parameters(), at=3)
+
+    directory = tmp_path / "checkpoints"
+    # save_top_k=1 without a monitor keeps only the latest checkpoint: Lightning deletes the one before as it saves.
+    keep_latest = ModelCheckpoint(dirpath=directory, every_n_train_steps=1, save_top_k=1)
+    trainer = pl.Trainer(
+        max_steps=6,
+        accelerator="cpu",
+        callbacks=[OverflowCallback(), keep_latest],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    with pytest.raises(NonFiniteCheckpoint) as caught:
+        trainer.fit(Regressor(), torch.utils.data.DataLoader(_batches(6), batch_size=None))
+
+    error = caught.value
+    assert [path.name for path in directory.iterdir()] == ["epoch=0-step=2.ckpt"], "the last good one was kept"
+    assert Path(error.path).name == "epoch=0-step=3.ckpt"
+    assert error.last_good is not None
+    assert (Path(error.last_good[0]).name, error.last_good[1]) == ("epoch=0-step=2.ckpt", 2)
+    assert any(where.startswith("state_dict.net.0.") for where, _ in error.non_finite)
+    assert not hasattr(trainer.strategy, "__dict__") or "save_checkpoint" not in trainer.strategy.__dict__
+
+
+# ---------------------------------------------------------------------------------------------- Accelerate
+
+
+def test_accelerate_save_state_refuses_before_rotating_anything(tmp_path: Path) -> None:
+    pytest.importorskip("accelerate")
+    from accelerate import Accelerator
+    from accelerate.utils import ProjectConfiguration
+
+    from nanwatch.adapters.accelerate import OverflowTracker
+
+    tracker = OverflowTracker(checkpoint_guard="quarantine")
+    # Automatic naming with a limit of one: save_state deletes the older checkpoint before it writes a new one.
+    project = ProjectConfiguration(project_dir=str(tmp_path), automatic_checkpoint_naming=True, total_limit=1)
+    accelerator = Accelerator(cpu=True, log_with=[tracker], project_config=project)
+    model = small_mlp()
+    optimizer = OverflowingSGD(model.parameters(), at=3)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    tracker.attach(accelerator, model)
+    saved = tmp_path / "checkpoints"
+
+    def train() -> None:
+        for x, y in _batches(5):
+            optimizer.zero_grad()
+            accelerator.backward(nn.functional.mse_loss(model(x), y))
+            optimizer.step()
+            accelerator.save_state()
+
+    with pytest.raises(NonFiniteCheckpoint) as caught:
+        train()
+    tracker.detach()
+
+    error = caught.value
+    assert sorted(path.name for path in saved.iterdir()) == ["checkpoint_1", "checkpoint_2.nonfinite"]
+    assert Path(error.path).name == "checkpoint_2"
+    assert error.last_good is not None
+    assert Path(error.last_good[0]).name == "checkpoint_1"
+    assert error.quarantine_path is not None
+    assert Path(error.quarantine_path).name == "checkpoint_2.nonfinite"
+    assert any(where.startswith("models[0].") for where, _ in error.non_finite)
+    assert "save_state" not in accelerator.__dict__, "detach() put save_state back"
+
+
+# ------------------------------------------------------------------------------------------ the HF Trainer
+
+
+def test_hf_trainer_refuses_the_poisoned_checkpoint_and_keeps_the_last_good_one(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    from blowup_models import SumDataset, TinyRegressor
+    from transformers import Trainer, TrainingArguments
+
+    from nanwatch.adapters.hf_trainer import OverflowTrainerCallback
+
+    torch.manual_seed(0)
+    model = TinyRegressor()
+    optimizer = OverflowingSGD(model.parameters(), at=3)
+    arguments = TrainingArguments(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        max_steps=6,
+        save_strategy="steps",
+        save_steps=1,
+        save_total_limit=1,  # the Trainer deletes the older checkpoint after writing a new one
+        report_to=[],
+        logging_strategy="no",
+        use_cpu=True,
+        disable_tqdm=True,
+    )
+    callback = OverflowTrainerCallback()
+    trainer = Trainer(
+        model=model, args=arguments, train_dataset=SumDataset(), callbacks=[callback], optimizers=(optimizer, None)
+    )
+    with pytest.raises(NonFiniteCheckpoint) as caught:
+        trainer.train()
+
+    error = caught.value
+    assert sorted(path.name for path in tmp_path.iterdir() if path.name.startswith("checkpoint")) == ["checkpoint-2"]
+    assert Path(error.path).name == "checkpoint-3"
+    assert error.last_good == (str(tmp_path / "checkpoint-2"), 2)
+    assert any(where.startswith("model.") for where, _ in error.non_finite)
+    assert callback.watcher is None, "the hooks went before the error left the Trainer"
