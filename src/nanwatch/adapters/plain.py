@@ -75,6 +75,11 @@ class WatchHandle(_common.UserHandle):
     def config(self) -> WatchConfig:
         return self.watcher.config
 
+    @property
+    def skipped(self) -> list[dict[str, object]]:
+        """Under `on_detect="skip"`: the micro-batches whose optimizer step was skipped (report_dir/skipped.jsonl)."""
+        return self.watcher.skipped
+
     def _before_top_forward(self, module: torch.nn.Module, args: tuple[Any, ...]) -> None:
         training = module.training
 

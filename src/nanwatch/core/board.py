@@ -93,6 +93,13 @@ class DetectionBoard:
         self.member = rank if member < 0 else member
         self.world_size = world_size
         self.wait_s = wait_s
+        self._prefix = prefix
+        self.round = 0
+        self.lost: BaseException | None = None
+        self.round_trips = 0  # calls this board made to the store (its listener's one get aside)
+        self._start_round(prefix)
+
+    def _start_round(self, prefix: str) -> None:
         self._posts_key = f"{prefix}/posts"
         self._count_key = f"{prefix}/count"
         self._verdict_key = f"{prefix}/verdict"
@@ -100,9 +107,15 @@ class DetectionBoard:
         self._acked_key = f"{prefix}/acked"
         self._bell_prefix = f"{prefix}/bell/"
         self._posted = False
-        self.lost: BaseException | None = None
-        self.round_trips = 0  # calls this board made to the store (its listener's one get aside)
-        self._bell: Bell = bell_for(store, f"{self._bell_prefix}{self.member}")
+        self._bell: Bell = bell_for(self._store, f"{self._bell_prefix}{self.member}")
+
+    def next_round(self) -> None:
+        """Settle the next detection on fresh keys (after a verdict every rank acted on without stopping: a skipped
+        step). Every rank that had the verdict calls this once, so the rounds stay in step."""
+        self._bell.close()
+        self.round += 1
+        if self.lost is None:
+            self._start_round(f"{self._prefix}/round{self.round}")
 
     @classmethod
     def for_model(

@@ -139,6 +139,11 @@ class AdapterContract(EngineState, Protocol):
             NonFiniteCheckpoint: it holds inf/nan (the framework must not write it).
         """
 
+    @property
+    def skipped(self) -> list[dict[str, object]]:
+        """Under `on_detect="skip"`: each micro-batch whose optimizer step was skipped, as `report_dir/skipped.jsonl`
+        lists them (`batch_number`, `rank`, `optimizer_step`, `epoch`, `skipped_in_a_row`), oldest first."""
+
     # ------------------------------------------------------------------------------------- counters, state
 
     @property

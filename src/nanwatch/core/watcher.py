@@ -198,7 +198,8 @@ class Watcher(Readings):
             pause_collection()  # until this micro-batch is checked (core/gcpause.py)
         if phase == "train":
             self._counters.batch_started = True
-            if self._arbiter.posted_elsewhere():
+            # Under on_detect="skip" a verdict is acted on at the optimizer step (where it skips), never here.
+            if not self._arbiter.skips and self._arbiter.posted_elsewhere():
                 # With its own evidence first: an adapter may start the batch again after its forward (frames not
                 # checked yet), or a detection may be held for the optimizer step; settling with nothing would post
                 # nothing, and the verdict would name whichever rank posted first (under DDP, a rank whose only
@@ -268,7 +269,7 @@ class Watcher(Readings):
             return
         self._features.dispatch("on_optimizer_step", stage, optimizer)
         if stage == "before":
-            self._settle(hold=False)
+            self._settle(hold=False, before_step=optimizer)
         elif stage == "after" and optimizer_step is KEEP:
             self._counters.count_optimizer_step()
 
@@ -302,6 +303,11 @@ class Watcher(Readings):
         step = self._counters.optimizer_step if step is None else step
         self._features.dispatch("on_checkpoint", state, str(path), step, write_aside)
 
+    @property
+    def skipped(self) -> list[dict[str, object]]:
+        """`AdapterContract.skipped` (core/contract.py)."""
+        return list(self._arbiter.skipped)
+
     def state_dict(self) -> dict[str, Any]:
         return self._counters.state_dict()
 
@@ -321,11 +327,12 @@ class Watcher(Readings):
 
     # ------------------------------------------------------------------------------------------ bookkeeping
 
-    def _settle(self, *, hold: bool, wait: bool = True) -> None:
-        """Check; raise on every rank if this rank or another saw inf/nan (core/engine/arbiter.py). A detection is
-        held for the optimizer step only where an adapter checks before each step."""
+    def _settle(self, *, hold: bool, wait: bool = True, before_step: torch.optim.Optimizer | None = None) -> None:
+        """Check; raise on every rank if this rank or another saw inf/nan, or skip the step of `before_step`
+        (core/engine/arbiter.py). A detection is held for the optimizer step only where an adapter checks before each
+        step."""
         self._arbiter.detect(self._checker.check_safely())
-        self._arbiter.settle(hold=hold and self._guarded, wait=wait)
+        self._arbiter.settle(hold=hold and self._guarded, wait=wait, before_step=before_step)
 
     def _micro_batch_raised(self) -> None:
         resume_collection()  # the micro-batch ends here

@@ -7,30 +7,43 @@ One small state machine per watcher:
       +------------------(another rank posted a detection: this rank learns of it at a check)----------+
 
 - *held*: the report is kept (and, where this rank saw inf/nan itself, already published) until the optimizer
-  step, where a nan on any rank has reached every rank's gradients. In a single process nothing is held: the
-  detection is raised at once. With no guarded optimizer there is no step to wait for: it is raised at once too.
+  step, where a nan on any rank has reached every rank's gradients. In a single process nothing is held (the
+  detection is raised at once) unless `on_detect="skip"`, which acts at the step. With no guarded optimizer there
+  is no step to wait for: it is raised at once too.
 - *agreed*: ranks settle on one detection through the store (core/ranks.py; no collective): the earliest batch,
   then the lowest rank, a rank that saw inf/nan itself before one that saw only the shared gradients.
 - *raised*: every rank raises the same `NonFiniteError`; the detecting rank's carries its report. The machine is
   clear again (a loop that catches the error and goes on starts afresh).
+- *skipped* (`on_detect="skip"`, instead of raised, when the verdict is reached before an optimizer step): every rank
+  clears the gradients that step would apply (so the optimizer changes nothing), the report is on disk, the
+  micro-batch joins `report_dir/skipped.jsonl`, and the machine is clear again on fresh keys. The
+  `max_consecutive_skips + 1`-th detection in a row raises `StepsSkippedInARow` instead.
 """
 
 from __future__ import annotations
 
 import enum
+import json
 import logging
 from collections.abc import Callable
+from pathlib import Path
 from typing import NoReturn
+
+import torch
 
 from nanwatch.core.board import DetectionBoard, StoreLost
 from nanwatch.core.engine.counters import Counters
 from nanwatch.core.engine.publisher import Publisher
 from nanwatch.core.frames import counter_name
+from nanwatch.core.log import warn
 from nanwatch.core.ranks import Detection, Kind
 from nanwatch.core.report import Report
-from nanwatch.errors import NonFiniteError
+from nanwatch.errors import NonFiniteError, StepsSkippedInARow
 
-__all__ = ["Arbiter", "Stage", "kind_of"]
+__all__ = ["Arbiter", "SKIP_LIST", "Stage", "kind_of"]
+
+# The skip list's name in report_dir: one JSON object per skipped micro-batch.
+SKIP_LIST = "skipped.jsonl"
 
 
 class Stage(enum.Enum):
@@ -52,6 +65,9 @@ class Arbiter:
         board: where ranks tell each other of a detection; None in a single process.
         publisher: logs and writes a report (once per detection) before anything raises.
         on_raise: called just before the error is raised (the micro-batch ends there).
+        on_detect: "raise", or "skip" (a verdict reached before an optimizer step skips that step).
+        max_consecutive_skips: with "skip", the steps that may be skipped in a row.
+        report_dir: where the skip list goes (rank 0 writes it); None: nowhere.
     """
 
     def __init__(
@@ -64,6 +80,9 @@ class Arbiter:
         rank: int,
         world_size: int,
         on_raise: Callable[[], None],
+        on_detect: str = "raise",
+        max_consecutive_skips: int = 3,
+        report_dir: Path | None = None,
     ) -> None:
         self._board = board
         self._publisher = publisher
@@ -74,6 +93,12 @@ class Arbiter:
         self._on_raise = on_raise
         self._held: Report | None = None
         self._published = False
+        self._on_detect = on_detect
+        self._max_skips = max_consecutive_skips
+        self._report_dir = report_dir
+        self._about_to_step: torch.optim.Optimizer | None = None  # set while settling before its step
+        self.skipped_in_a_row = 0
+        self.skipped: list[dict[str, object]] = []  # every skipped micro-batch, as the skip list has it
 
     @property
     def stage(self) -> Stage:
@@ -99,17 +124,33 @@ class Arbiter:
         if self._board is None or kind_of(report) == "frames":
             self._publish_held()
 
-    def settle(self, *, hold: bool, wait: bool = True) -> None:
+    def settle(self, *, hold: bool, wait: bool = True, before_step: torch.optim.Optimizer | None = None) -> None:
         """Raise on every rank if this rank or another detected inf/nan; keep holding when `hold` (the adapter
-        checks before each optimizer step, where ranks will meet)."""
+        checks before each optimizer step, where ranks will meet). `before_step`: the optimizer about to step, whose
+        step `on_detect="skip"` skips instead of raising."""
+        self._about_to_step, skipped_before = before_step, len(self.skipped)
+        try:
+            self._settle(hold, wait)
+        finally:
+            self._about_to_step = None
+        if before_step is not None and len(self.skipped) == skipped_before:  # this step applies
+            self.skipped_in_a_row = 0
+
+    @property
+    def skips(self) -> bool:
+        """A verdict is acted on by skipping steps, not raising (so it is left for the optimizer step)."""
+        return self._on_detect == "skip"
+
+    def _settle(self, hold: bool, wait: bool) -> None:
         mine = self._held
         if mine is None:
             if self.posted_elsewhere():
                 self._agree_and_raise(None, wait=True)
             return
+        if hold and (self._board is not None or self.skips):  # held for the step (where a skip can skip it)
+            return
         if self._board is None:
-            self.raise_error(mine, Detection(mine.batch_number, self._rank, mine.phase))
-        if hold:
+            self._conclude(mine, Detection(mine.batch_number, self._rank, mine.phase))
             return
         self._agree_and_raise(mine, wait=wait)
 
@@ -159,17 +200,82 @@ class Arbiter:
             )
         ):
             self._publish_held()
-        self.raise_error(mine, verdict)
+        self._conclude(mine, verdict)
 
-    def raise_error(self, local: Report | None, agreed: Detection) -> NoReturn:
-        """Raise `NonFiniteError`: the same on every rank, for the detecting rank and batch `agreed` names."""
+    def _conclude(self, local: Report | None, agreed: Detection) -> None:
+        """Raise the verdict, or skip the step about to run (`on_detect="skip"`, a training detection, within the
+        limit of steps skipped in a row)."""
+        optimizer = self._about_to_step
+        if optimizer is None or not self.skips or agreed.phase != "train":
+            self.raise_error(local, agreed)
+        if self.skipped_in_a_row >= self._max_skips:
+            self.raise_error(local, agreed, skipped=self.skipped_in_a_row)
+        if (
+            local is not None
+            and not self._published
+            and (local.batch_number, self._rank)
+            == (
+                agreed.batch_number,
+                agreed.rank,
+            )
+        ):
+            self._publish_held()
+        for group in optimizer.param_groups:  # nothing to apply: the optimizer leaves every parameter as it is
+            for param in group["params"]:
+                param.grad = None
+        self._held, self._published = None, False
+        self.skipped_in_a_row += 1
+        if self._board is not None:
+            self._board.next_round()
+        self._list_skip(agreed)  # the micro-batch goes on to its end, as any other
+
+    def _list_skip(self, agreed: Detection) -> None:
+        counters = self._counters
+        entry: dict[str, object] = {
+            "batch_number": agreed.batch_number,
+            "rank": agreed.rank,
+            "optimizer_step": counters.optimizer_step,
+            "epoch": counters.epoch,
+            "skipped_in_a_row": self.skipped_in_a_row,
+        }
+        self.skipped.append(entry)
+        where = ""
+        if self._report_dir is not None and self._rank == 0:
+            path = self._report_dir / SKIP_LIST
+            try:
+                with path.open("a", encoding="utf-8") as file:
+                    file.write(json.dumps(entry) + "\n")
+                where = f"; listed in {path}"
+            except OSError as error:  # a full disk must not end the run it was asked to keep going
+                warn(f"nanwatch could not append to {path}: {error!r}")
+        on_rank = f" on rank {agreed.rank}" if self._world_size > 1 else ""
+        self._logger.warning(
+            f"nanwatch: inf/nan during batch_number={agreed.batch_number}{on_rank}: optimizer step "
+            f"{counters.optimizer_step} skipped (on_detect='skip', {self.skipped_in_a_row} in a row of at most "
+            f"{self._max_skips}){where}"
+        )
+
+    def raise_error(self, local: Report | None, agreed: Detection, *, skipped: int | None = None) -> NoReturn:
+        """Raise `NonFiniteError` (`StepsSkippedInARow` after `skipped` steps skipped in a row): the same on every
+        rank, for the detecting rank and batch `agreed` names."""
         self._on_raise()
         self._held, self._published = None, False  # raised once: it is the caller's now
+        if self._board is not None and self._board.lost is None and self.skips:
+            self._board.next_round()  # a loop that catches it and goes on settles its next detection afresh
         ours = local is not None and (local.batch_number, self._rank) == (agreed.batch_number, agreed.rank)
         mine = local if ours else None
         counters = self._counters
-        raise NonFiniteError(
-            self._message(mine, agreed),
+        message = self._message(mine, agreed)
+        if skipped is not None:
+            self.skipped_in_a_row = 0
+            message += f" {skipped} optimizer steps were skipped in a row before it (max_consecutive_skips={skipped})."
+            error_type: type[NonFiniteError] = StepsSkippedInARow
+            extra: dict[str, int] = {"skipped": skipped}
+        else:
+            error_type, extra = NonFiniteError, {}
+        raise error_type(
+            message,
+            **extra,
             batch_number=agreed.batch_number,
             rank=agreed.rank,
             module_name=mine.module_name if mine is not None else None,

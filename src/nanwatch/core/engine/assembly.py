@@ -58,6 +58,17 @@ def assemble(facade: Facade, fixed: Fixed, features: list[Feature], *, on_raise:
     checkers.append(checker)
     publisher = Publisher(config, logger, schedule, plugins, disable)
     board = DetectionBoard.for_model(facade.model, facade.entry, rank, world_size, config.rank_wait_s)
-    arbiter = Arbiter(board, publisher, counters, logger, rank=rank, world_size=world_size, on_raise=on_raise)
+    arbiter = Arbiter(
+        board,
+        publisher,
+        counters,
+        logger,
+        rank=rank,
+        world_size=world_size,
+        on_raise=on_raise,
+        on_detect=config.on_detect,
+        max_consecutive_skips=config.max_consecutive_skips,
+        report_dir=config.report_dir,
+    )
     plugins.ctx = EngineView(facade, fixed, counters, recorder, checker, publisher, plugins, cache, schedule)
     return Parts(schedule, cache, counters, plugins, recorder, checker, publisher, arbiter)
