@@ -902,3 +902,26 @@ def test_an_optimizer_passed_where_the_config_goes_is_told_to_use_its_keyword() 
     with pytest.raises(nanwatch.ConfigError, match=r"got GradScaler, a scaler: pass it by keyword, .*scaler=scaler"):
         nanwatch.watch(model, torch.amp.GradScaler("cpu", enabled=False))  # type: ignore[arg-type]
     assert _hook_count(model) == 0
+
+
+def test_a_subclassed_optimizer_whose_step_calls_super_is_checked_and_counted_once_a_step() -> None:
+    # torch wraps each optimizer class's step() with the hooks once an instance of it exists: SGD's and the
+    # subclass's both run them when the subclass calls super().step().
+    class Logged(torch.optim.SGD):
+        calls = 0
+
+        def step(self, closure: Any = None) -> Any:
+            Logged.calls += 1
+            return super().step(closure)
+
+    model = small_mlp()
+    torch.optim.SGD(model.parameters(), lr=0.1)  # an SGD instance: SGD.step is wrapped from now on
+    optimizer = Logged(model.parameters(), lr=0.1)
+    with watch(model, optimizer=optimizer) as handle:
+        for _ in range(3):
+            optimizer.zero_grad()
+            model(torch.ones(2, 4)).sum().backward()
+            optimizer.step()
+            handle.step()
+        assert Logged.calls == 3
+        assert handle.watcher.optimizer_step == 3

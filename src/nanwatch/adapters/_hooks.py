@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import types
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -142,8 +143,17 @@ def guard_optimizers(
     for index, optimizer in enumerate(optimizers):
         real = real_optimizer(optimizer)
         watcher.on_optimizer_step("guarded", real)
+        # A subclass whose step() calls super().step() runs the hooks twice when torch wrapped both classes' step:
+        # the inner call is recognised by the outer one still running (its wrapper's frame on the stack).
+        outer: list[types.FrameType] = []
 
-        def before(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
+        def before(
+            opt: torch.optim.Optimizer, args: Any, kwargs: Any, outer: list[types.FrameType] = outer
+        ) -> tuple[Any, Any] | None:
+            caller = sys._getframe(1)
+            if outer and _on_stack(outer[0], caller.f_back):
+                return None
+            outer[:] = [caller]
             # `args` starts with the optimizer itself: step(self, closure=None).
             closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
             if closure is None:
@@ -160,12 +170,24 @@ def guard_optimizers(
                 return args, {**kwargs, "closure": checked}
             return (args[0], checked, *args[2:]), kwargs
 
-        def after(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        def after(opt: torch.optim.Optimizer, args: Any, kwargs: Any, outer: list[types.FrameType] = outer) -> None:
+            if outer and outer[0] is not sys._getframe(1):
+                return  # the inner step of a subclass: the outer one counts
+            outer.clear()
             watcher.on_optimizer_step("after", opt)
 
         watcher.hooks.add_handle(real.register_step_pre_hook(before))
         if count_steps and index == 0:
             watcher.hooks.add_handle(real.register_step_post_hook(after))
+
+
+def _on_stack(frame: types.FrameType, top: types.FrameType | None) -> bool:
+    """Whether `frame` is `top` or one of its callers."""
+    while top is not None:
+        if top is frame:
+            return True
+        top = top.f_back
+    return False
 
 
 def guard_steps(watcher: AdapterContract, optimizers: list[Any]) -> None:

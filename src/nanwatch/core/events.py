@@ -18,6 +18,7 @@ The events, in the order a micro-batch meets them:
 - `judge(ctx, report, checked)`: raise the report (return it, perhaps changed) or tolerate it (return None).
 - `on_publish(ctx, report)`: the report is logged and on disk; the error is about to be raised.
 - `on_batch_end(ctx, phase, batch_number)`, `on_optimizer_step(ctx, stage, optimizer)`, `on_scaler(ctx, ...)`.
+- `on_loss(ctx, loss)`: the loss of a recorded micro-batch (the spike monitor).
 - `on_checkpoint(ctx, state, path, step, write_aside)`: a checkpoint is about to be written (the checkpoint guard).
 - `readouts()`: what the feature offers adapters and users (its summary, the loss scale's history).
 - `close(ctx)`: watching ended (after `detach`): summaries, release what was held.
@@ -118,6 +119,11 @@ class EngineContext(EngineState, Protocol):
         """An adapter checks before each optimizer step (core/features/guard.py)."""
 
     @property
+    def last_batch(self) -> int:
+        """The micro-batch that ran last: the current one, except between a training micro-batch's end and the next
+        one's start (an adapter may end a micro-batch before its optimizer step)."""
+
+    @property
     def frames_finite(self) -> bool:
         """In `review`: whether the micro-batch's forward was recorded and every frame of this check is finite (the
         feature's own flags tripped alone)."""
@@ -132,6 +138,9 @@ class EngineContext(EngineState, Protocol):
 
     def rank_logs(self, ranks: Literal["zero", "all"] | list[int]) -> bool:
         """Whether this rank is one of `ranks` (as `trace_ranks` names them)."""
+
+    def read(self, readout: Readout[Callable[[], Any]]) -> Any:
+        """What another feature offers under `readout` (core/readouts.py), or None where none does."""
 
     def watches_batch(self, batch_number: int) -> bool:
         """Whether training batch `batch_number` is recorded."""
@@ -229,6 +238,9 @@ class Feature:
         self, ctx: EngineContext, stage: OptimizerStage, optimizer: torch.optim.Optimizer | None
     ) -> None:
         """An optimizer step is at `stage`."""
+
+    def on_loss(self, ctx: EngineContext, loss: torch.Tensor) -> None:
+        """An adapter (or the user) handed over the micro-batch's loss (`watch_loss`), while it is recorded."""
 
     def on_checkpoint(
         self, ctx: EngineContext, state: Any, path: str, step: int | None, write_aside: Callable[[str], None] | None

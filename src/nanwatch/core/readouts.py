@@ -18,6 +18,7 @@ __all__ = [
     "ABSMAX_PREFIX",
     "BATCH_KEY",
     "GLOBAL_KEY",
+    "GRADIENT_MAXIMUM",
     "LAST_GOOD_CHECKPOINT",
     "LOSS_SCALE_HISTORY",
     "METRIC_PREFIX",
@@ -232,3 +233,6 @@ SUMMARY: Readout[Callable[[], Summary | None]] = Readout("summary")
 LOSS_SCALE_HISTORY: Readout[Callable[[], LossScaleHistory | None]] = Readout("loss_scale_history")
 # The last checkpoint verified finite before it was written, as (path, optimizer step), or None before any.
 LAST_GOOD_CHECKPOINT: Readout[Callable[[], tuple[str, int | None] | None]] = Readout("last_good_checkpoint")
+# The largest gradient magnitude about to be applied by the optimizer step being checked (a 0-d device tensor, read
+# by no one unless a flag trips), or None outside such a check.
+GRADIENT_MAXIMUM: Readout[Callable[[], Any]] = Readout("gradient_maximum")

@@ -284,6 +284,8 @@ class Watcher(Readings):
             self._recorder.record_loss(loss)
         except Exception as error:  # our bookkeeping must never kill a healthy run
             self.disable(f"recording the loss failed: {error!r}")
+            return
+        self._features.dispatch("on_loss", loss)
 
     def watch_scaler(
         self, scaler: GradScalerLike, *, read_scale: Literal["at_batch_end", "when_settled"] = "at_batch_end"

@@ -176,6 +176,23 @@ class WatchConfig(BaseModel):
         description='With on_detect="skip": raise (StepsSkippedInARow) at a detection that would make this many + 1 '
         "optimizer steps skipped in a row: a run that keeps going non-finite is not saved by skipping.",
     )
+    spike_window: int | None = Field(
+        None,
+        ge=2,
+        le=100_000,
+        description="Spike warnings: judge the loss (where the adapter has it) and the largest gradient magnitude "
+        "about to be applied against a rolling window of this many recent values; a spike is reported (a warning and "
+        "report_dir/nanwatch-spike-rank{R}-batch{N}.txt) with the watched modules whose abs max jumped most against "
+        "their own recent level. None: off. Judged on the device, folded into the check's one host read.",
+    )
+    spike_factor: float = Field(
+        2.0,
+        gt=1,
+        description="A spike is more than this many times the window's mean (above it by (factor - 1) x |mean|) ...",
+    )
+    spike_zscore: float = Field(
+        6.0, gt=0, description="... and more than this many standard deviations above it (both rules must hold)."
+    )
     checkpoint_guard: Literal["refuse", "quarantine", "off"] = Field(
         "refuse",
         description="Before a checkpoint is written through the framework (Lightning's save_checkpoint, the HF "
@@ -252,6 +269,7 @@ class WatchConfig(BaseModel):
         "watch_last_batch",
         "summary_every_n_batches",
         "max_consecutive_skips",
+        "spike_window",
         mode="before",
     )
     @classmethod

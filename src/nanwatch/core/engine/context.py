@@ -17,7 +17,7 @@ from nanwatch.core.engine.recorder import Recorder
 from nanwatch.core.events import Phase
 from nanwatch.core.frames import Frame
 from nanwatch.core.hooks import HookSet
-from nanwatch.core.readouts import Summary
+from nanwatch.core.readouts import Readout, Summary
 from nanwatch.core.report import Report, ReportSection
 from nanwatch.core.scope import BatchSchedule, rank_in
 from nanwatch.core.stats.cache import StatsCache
@@ -88,6 +88,7 @@ class EngineView:
     phase = property(lambda self: self._counters.phase)
     batch_number = property(lambda self: self._counters.batch_number)
     current_batch = property(lambda self: self._counters.current_batch)
+    last_batch = property(lambda self: self._counters.last_batch)
     optimizer_step = property(lambda self: self._counters.optimizer_step)
     epoch = property(lambda self: self._counters.epoch)
     recording = property(lambda self: self._recorder.recording)
@@ -96,6 +97,9 @@ class EngineView:
 
     def rank_logs(self, ranks: Literal["zero", "all"] | list[int]) -> bool:
         return rank_in(self.rank, ranks)
+
+    def read(self, readout: Readout[Callable[[], Any]]) -> Any:
+        return self._features.read(readout)
 
     def watches_batch(self, batch_number: int) -> bool:
         return self._schedule.watched(batch_number)

@@ -12,6 +12,7 @@ from nanwatch.core.features.guard import GradientGuard
 from nanwatch.core.features.headroom import HeadroomMonitor
 from nanwatch.core.features.loss_scale import LossScaleFeature
 from nanwatch.core.features.sentinel import SentinelFeature
+from nanwatch.core.features.spikes import SpikeMonitor
 from nanwatch.core.features.summary import SummaryFeature
 from nanwatch.core.features.trace import TraceFeature
 
@@ -34,6 +35,8 @@ def features_for(config: WatchConfig) -> list[Feature]:
     if HeadroomMonitor.wanted(config):
         features.append(HeadroomMonitor(config))
     features.append(LossScaleFeature(config.min_loss_scale))  # inert until an adapter hands over a GradScaler
+    if config.spike_window is not None:  # after the guard, whose gradient maximum it reads
+        features.append(SpikeMonitor(config.spike_window, config.spike_factor, config.spike_zscore))
     if config.mode == "sentinel":
         features.append(SentinelFeature())  # after the loss scale: it replays what is to be raised
     if config.capture_on_detect:

@@ -15,7 +15,7 @@ non-finite, and every rank's guard sees it at the same step (core/ranks.py).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -24,6 +24,7 @@ from nanwatch.core.events import EngineContext, Feature, OptimizerStage
 from nanwatch.core.frames import Frame
 from nanwatch.core.hooks import clean_name
 from nanwatch.core.optimizers import gradients_to_apply, skips_this_step
+from nanwatch.core.readouts import GRADIENT_MAXIMUM, Readout
 from nanwatch.core.report import Report, ReportSection
 from nanwatch.core.stats.sharded import local_shard
 from nanwatch.core.stats.stacking import MagnitudePlan
@@ -74,6 +75,15 @@ class GradientGuard(Feature):
         for _, vector in launched[1]:
             by_kind.setdefault((vector.device, vector.dtype), []).append(vector)
         return [torch.isfinite(torch.cat(vectors)).all() for vectors in by_kind.values()]
+
+    def readouts(self) -> Mapping[Readout[Any], Callable[[], Any]]:
+        return {GRADIENT_MAXIMUM: self._largest}
+
+    def _largest(self) -> torch.Tensor | None:
+        """The largest magnitude among the gradients of the step being checked (device, no sync), or None."""
+        if self._screened is None or not self._screened[1]:
+            return None
+        return torch.stack([vector.float().amax() for _, vector in self._screened[1]]).amax()
 
     def review(self, ctx: EngineContext, pending: Sequence[Frame]) -> Report | None:
         screened, self._screened = self._screened, None

@@ -1,0 +1,221 @@
+"""Spike warnings: the loss or the gradients jump far above their recent level, and the modules that moved with them.
+
+Off unless `spike_window` is set. Two signals, judged against a rolling window of their own recent values:
+- the loss an adapter hands over (`watch_loss`), as each micro-batch's check runs;
+- the largest gradient magnitude about to be applied at each optimizer step, which the guard (core/features/guard.py)
+  already reduces, after DDP's all-reduce: every rank judges the same number, with no collective of nanwatch's.
+
+A value is a spike when it is more than `spike_factor` times the window's mean (above it by (factor - 1) x |mean|) and
+more than `spike_zscore` standard deviations above it, once `min(spike_window, 8)` values are in. Both windows live
+on the signal's device: the judgement is a flag folded into the check's one host read, and the window is updated
+there too (a spike enters it as the mean, so one spike does not hide the next). Nothing is read back unless a flag
+trips. Then the report says which value spiked against which window, and which watched modules moved: each module's
+abs max in the checked frames (forward outputs; backward output gradients with `watch_gradients`) against the median
+of its own over the last `HISTORY` checks, largest jumps first. It is logged (a warning) and written to
+`report_dir/nanwatch-spike-rank{R}-batch{N}.txt`, and the run goes on: a spike is not inf/nan.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from nanwatch.core.events import EngineContext, Feature
+from nanwatch.core.formats.files import atomic_write
+from nanwatch.core.frames import Direction, Frame, ResolvedFrame, Role, counter_name, resolve
+from nanwatch.core.readouts import GRADIENT_MAXIMUM
+from nanwatch.core.report import Report
+
+__all__ = ["HISTORY", "SpikeMonitor", "Window"]
+
+# Checks whose frames are kept (references only) to tell each module's recent level.
+HISTORY = 8
+# Modules named in a spike's report.
+MAX_MODULES = 10
+_MIN_VALUES = 8
+
+
+@dataclass
+class Window:
+    """The recent values of one signal, on its device: a ring of `size` values and how many went in."""
+
+    size: int
+    factor: float
+    zscore: float
+    values: torch.Tensor | None = None
+    count: int = 0
+    judged: list[torch.Tensor] = field(default_factory=list)  # value, mean, std of the latest judgement
+
+    def judge(self, value: torch.Tensor) -> torch.Tensor | None:
+        """A device flag (True = no spike) for `value`, which joins the window; None while the window warms up."""
+        value = value.detach().reshape(()).float()
+        if self.values is None or self.values.device != value.device:
+            self.values, self.count = torch.zeros(self.size, device=value.device), 0
+        filled = min(self.count, self.size)
+        flag = None
+        entering = value
+        if filled >= min(self.size, _MIN_VALUES):
+            recent = self.values[:filled]
+            mean, std = recent.mean(), recent.std(correction=0)
+            spike = (value > mean + (self.factor - 1) * mean.abs()) & (value > mean + self.zscore * std)
+            flag = ~spike
+            # A spike (or inf/nan, which the check reports itself) enters the window as the mean.
+            entering = torch.where(spike | ~torch.isfinite(value), mean, value)
+            self.judged = [value, mean, std]
+        self.values[self.count % self.size] = entering
+        self.count += 1
+        return flag
+
+
+class SpikeMonitor(Feature):
+    name = "spikes"
+
+    def __init__(self, window: int, factor: float, zscore: float) -> None:
+        self._windows = {signal: Window(window, factor, zscore) for signal in ("loss", "gradients")}
+        self._loss: torch.Tensor | None = None
+        self._loss_batch = 0
+        self._flags: list[tuple[str, torch.Tensor]] = []
+        self._history: deque[list[Frame]] = deque(maxlen=HISTORY)
+        self.spikes: list[dict[str, Any]] = []  # every spike reported, as its JSON says
+
+    def on_loss(self, ctx: EngineContext, loss: torch.Tensor) -> None:
+        self._loss, self._loss_batch = loss.detach(), ctx.current_batch
+
+    def screen(
+        self, ctx: EngineContext, pending: Sequence[Frame], maxima: Mapping[tuple[Any, Any], torch.Tensor]
+    ) -> list[torch.Tensor]:
+        self._flags = []
+        signals = [("loss", self._loss), ("gradients", ctx.read(GRADIENT_MAXIMUM))]
+        self._loss = None
+        for signal, value in signals:
+            if value is not None and value.numel() == 1 and value.is_floating_point():
+                flag = self._windows[signal].judge(value)
+                if flag is not None:
+                    self._flags.append((signal, flag))
+        return [flag for _, flag in self._flags]
+
+    def review(self, ctx: EngineContext, pending: Sequence[Frame]) -> Report | None:
+        flags, self._flags = self._flags, []
+        tripped = [signal for signal, flag in flags if not bool(flag)]
+        if tripped:
+            # The loss's own micro-batch; the gradients': the last one before the step (an adapter may have ended it).
+            batch = self._loss_batch if "loss" in tripped else ctx.last_batch
+            self._report(ctx, tripped, pending, batch)
+        return None  # a spike is a warning: the run goes on
+
+    def on_commit(self, ctx: EngineContext, frames: Sequence[Frame]) -> None:
+        if frames:
+            self._history.append(list(frames))
+
+    def close(self, ctx: EngineContext) -> None:
+        self._history.clear()
+        self._loss = None
+
+    # ---------------------------------------------------------------------------------------------- the report
+
+    def _report(self, ctx: EngineContext, tripped: list[str], pending: Sequence[Frame], batch: int) -> None:
+        lines: list[str] = []
+        signals: list[dict[str, Any]] = []
+        data: dict[str, Any] = {"batch_number": batch, "optimizer_step": ctx.optimizer_step, "rank": ctx.rank}
+        for signal in tripped:
+            window = self._windows[signal]
+            value, mean, std = (float(number) for number in window.judged)
+            sigmas = (value - mean) / std if std > 0 else math.inf
+            what = "loss" if signal == "loss" else "largest gradient magnitude about to be applied"
+            lines.append(
+                f"nanwatch: {what} spiked during {counter_name(ctx.phase)}={batch} (optimizer step "
+                f"{ctx.optimizer_step}): {value:.3e} against a window of {min(window.count - 1, window.size)} "
+                f"(mean {mean:.3e}, std {std:.2e}: x{value / mean if mean else math.inf:.3g}, {sigmas:.3g} sigma)"
+            )
+            signals.append({"signal": signal, "value": value, "mean": mean, "std": std})
+        data["signals"] = signals
+        moved = self._modules_that_moved(pending, batch)
+        first = _first_to_move(moved)
+        data["first_moved"] = None if first is None else {"module": first[0], "kind": first[1]}
+        if first is not None:
+            name, kind, now, before = first
+            lines.append(
+                f"first module to move (in the order the frames were recorded): {name} ({kind}, x{_jump(first):.3g})"
+            )
+        moved = sorted(moved, key=_jump, reverse=True)
+        if moved:
+            lines.append(f"modules that moved most (abs max now against the median of the last {HISTORY} checks):")
+            for name, kind, now, before in moved[:MAX_MODULES]:
+                ratio = now / before if before > 0 else math.inf
+                lines.append(f"  {name} ({kind}): {now:.2e} against {before:.2e} (x{ratio:.3g})")
+        elif ctx.config.mode == "sentinel":
+            lines.append("(sentinel mode records no module: mode='full' names the modules that moved)")
+        data["modules"] = [
+            {"module": name, "kind": kind, "abs_max": now, "recent": before} for name, kind, now, before in moved
+        ]
+        self.spikes.append(data)
+        text = "\n".join(lines)
+        ctx.logger.warning(text)
+        report_dir = ctx.config.report_dir
+        if report_dir is not None:
+            try:
+                report_dir.mkdir(parents=True, exist_ok=True)
+                stem = f"nanwatch-spike-rank{ctx.rank}-batch{batch}"
+                atomic_write(report_dir / f"{stem}.txt", text + "\n")
+                atomic_write(report_dir / f"{stem}.json", json.dumps(data, indent=1) + "\n")
+            except OSError as error:
+                ctx.logger.warning(f"nanwatch could not write the spike report to {report_dir}: {error!r}")
+
+    def _modules_that_moved(self, pending: Sequence[Frame], batch: int) -> list[tuple[str, str, float, float]]:
+        """(module, "output" or "grad output", abs max now, its median over the kept checks), in the order the
+        frames were recorded; `_first_to_move` and the report sort them."""
+        # The spiking micro-batch's frames: pending, or checked already (an adapter may check as a micro-batch ends,
+        # before the step whose gradients spiked).
+        kept = [frame for frames in self._history for frame in frames if frame.batch_number == batch]
+        now = _levels(resolve([*kept, *pending]))
+        earlier: dict[tuple[str, str], list[float]] = {}
+        for frames in self._history:
+            others = [frame for frame in frames if frame.batch_number != batch]
+            for key, level in _levels(resolve(others)).items():
+                earlier.setdefault(key, []).append(level)
+        moved = []
+        for key, level in now.items():
+            recent = earlier.get(key)
+            if recent and math.isfinite(level):
+                before = statistics.median(recent)
+                if level > before:
+                    moved.append((key[0], key[1], level, before))
+        return moved
+
+
+def _jump(item: tuple[str, str, float, float]) -> float:
+    return item[2] / item[3] if item[3] > 0 else math.inf
+
+
+def _first_to_move(moved: list[tuple[str, str, float, float]]) -> tuple[str, str, float, float] | None:
+    """The first module (in recording order: forward, inner modules before the ones that call them) whose jump is of
+    the order of the largest (at least its square root): where the spike began, as far as the frames show."""
+    if not moved:
+        return None
+    largest = max(_jump(item) for item in moved)
+    if largest <= 1.0:
+        return None
+    bar = math.sqrt(largest) if math.isfinite(largest) else math.inf
+    for item in moved:
+        if _jump(item) >= bar:
+            return item
+    return None
+
+
+def _levels(frames: Sequence[ResolvedFrame]) -> dict[tuple[str, str], float]:
+    """Each module's largest output abs max in `frames` (and output gradient's, for backward frames)."""
+    levels: dict[tuple[str, str], float] = {}
+    for frame in frames:
+        kind = "grad output" if frame.direction is Direction.BACKWARD else "output"
+        for entry in frame.entries:
+            if entry.role is Role.OUTPUT and entry.abs_max is not None:
+                key = (frame.module_name or "(root)", kind)
+                levels[key] = max(levels.get(key, 0.0), float(entry.abs_max))
+    return levels

@@ -1,0 +1,238 @@
+"""Spike warnings in every adapter, with the real frameworks: a finite jump of one module's output (x100 at one
+micro-batch) is reported as a loss and gradient spike that names that module first, the run goes on, and the steady
+micro-batches around it raise nothing."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from tests.models import small_mlp
+from torch import nn
+
+from nanwatch import ConfigError, WatchConfig, watch
+
+SPIKE_AT = 14
+WINDOW = {"spike_window": 10}
+
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:.*does not have many workers.*",
+    "ignore:.*isinstance\\(treespec, LeafSpec\\).*",
+    "ignore:.*smaller than the logging interval.*",
+)
+
+
+def _batches(count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(1)
+    return [(torch.randn(16, 4, generator=generator), torch.randn(16, 1, generator=generator)) for _ in range(count)]
+
+
+def _factor(index: int) -> float:
+    return 100.0 if index == SPIKE_AT else 1.0
+
+
+def _spike_reports(report_dir: Path) -> dict[int, dict[str, Any]]:
+    found = {}
+    for path in report_dir.glob("nanwatch-spike-rank0-batch*.json"):
+        data = json.loads(path.read_text(encoding="utf-8"))
+        found[data["batch_number"]] = data
+    return found
+
+
+def _assert_named(report: dict[str, Any], signals: set[str]) -> None:
+    assert {signal["signal"] for signal in report["signals"]} == signals
+    assert report["first_moved"] == {"module": "2", "kind": "output"}, report["modules"]
+    for signal in report["signals"]:
+        assert signal["value"] > 10 * signal["mean"]
+
+
+# ------------------------------------------------------------------------------------------- the plain loop
+
+
+def test_plain_a_spike_is_named_with_its_module_and_the_run_goes_on(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    model = small_mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
+    with watch(model, optimizer=optimizer, report_dir=tmp_path, **WINDOW) as handle:
+        for index, (x, y) in enumerate(_batches(20)):
+            model[2].factor = _factor(index)
+            optimizer.zero_grad()
+            handle.watch_loss(nn.functional.mse_loss(model(x), y)).backward()
+            optimizer.step()
+            handle.step()
+
+    reports = _spike_reports(tmp_path)
+    assert list(reports) == [SPIKE_AT], "one spike, and none while training was steady"
+    _assert_named(reports[SPIKE_AT], {"loss", "gradients"})
+    text = (tmp_path / f"nanwatch-spike-rank0-batch{SPIKE_AT}.txt").read_text(encoding="utf-8")
+    assert f"nanwatch: loss spiked during batch_number={SPIKE_AT} (optimizer step {SPIKE_AT})" in text
+    assert "first module to move (in the order the frames were recorded): 2 (output, x" in text
+    assert f"loss spiked during batch_number={SPIKE_AT}" in capsys.readouterr().err  # logged: a warning
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_plain_no_spike_without_spike_window(tmp_path: Path) -> None:
+    model = small_mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
+    with watch(model, optimizer=optimizer, report_dir=tmp_path) as handle:
+        for index, (x, y) in enumerate(_batches(16)):
+            model[2].factor = _factor(index)
+            optimizer.zero_grad()
+            handle.watch_loss(nn.functional.mse_loss(model(x), y)).backward()
+            optimizer.step()
+            handle.step()
+    assert _spike_reports(tmp_path) == {}
+
+
+def test_a_loss_that_creeps_up_slowly_is_no_spike(tmp_path: Path) -> None:
+    model = small_mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    with watch(model, optimizer=optimizer, report_dir=tmp_path, **WINDOW) as handle:
+        for index, (x, y) in enumerate(_batches(30)):
+            model[2].factor = 1.03**index  # the loss +6 % a micro-batch: 5.5x in all, never 2x the recent mean
+            optimizer.zero_grad()
+            handle.watch_loss(nn.functional.mse_loss(model(x), y)).backward()
+            optimizer.step()
+            handle.step()
+    assert _spike_reports(tmp_path) == {}
+
+
+def test_bad_spike_settings_are_named() -> None:
+    with pytest.raises(ConfigError, match="spike_window"):
+        WatchConfig(spike_window=1)
+    with pytest.raises(ConfigError, match="spike_factor"):
+        WatchConfig(spike_factor=1.0)
+    with pytest.raises(ConfigError, match="spike_zscore"):
+        WatchConfig(spike_zscore=0)
+    with pytest.raises(ConfigError, match="spike_window"):
+        WatchConfig(spike_window=True)
+
+
+# ---------------------------------------------------------------------------------------------- Lightning
+
+
+def test_lightning_a_spike_is_named_with_its_module(tmp_path: Path) -> None:
+    pytest.importorskip("lightning")
+    import lightning.pytorch as pl
+
+    from nanwatch.adapters.lightning import OverflowCallback
+
+    class Regressor(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = small_mlp()
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            self.net[2].factor = _factor(batch_idx)
+            return nn.functional.mse_loss(self.net(x), y)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=1e-4)
+
+    trainer = pl.Trainer(
+        max_steps=20,
+        accelerator="cpu",
+        callbacks=[OverflowCallback(report_dir=tmp_path, **WINDOW)],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
+    trainer.fit(Regressor(), torch.utils.data.DataLoader(_batches(20), batch_size=None))
+
+    reports = _spike_reports(tmp_path)
+    assert list(reports) == [SPIKE_AT]
+    report = reports[SPIKE_AT]
+    assert report["first_moved"] == {"module": "net.2", "kind": "output"}, report["modules"]
+    assert {signal["signal"] for signal in report["signals"]} == {"loss", "gradients"}
+    assert trainer.global_step == 20
+
+
+# ---------------------------------------------------------------------------------------------- Accelerate
+
+
+def test_accelerate_a_spike_is_named_with_its_module(tmp_path: Path) -> None:
+    pytest.importorskip("accelerate")
+    from accelerate import Accelerator
+
+    from nanwatch.adapters.accelerate import OverflowTracker
+
+    tracker = OverflowTracker(report_dir=tmp_path, **WINDOW)
+    accelerator = Accelerator(cpu=True, log_with=[tracker])
+    model = small_mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    tracker.attach(accelerator, model)
+    for index, (x, y) in enumerate(_batches(20)):
+        model[2].factor = _factor(index)
+        accelerator.backward(nn.functional.mse_loss(model(x), y))
+        optimizer.step()
+        optimizer.zero_grad()
+    tracker.detach()
+
+    reports = _spike_reports(tmp_path)
+    assert list(reports) == [SPIKE_AT]
+    _assert_named(reports[SPIKE_AT], {"loss", "gradients"})
+
+
+# ------------------------------------------------------------------------------------------ the HF Trainer
+
+
+class _Regressor(nn.Module):
+    """small_mlp returning {"loss", "logits"}, as a transformers model does (the loss inside its forward)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = small_mlp()
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        self.net[2].factor = _factor(self.calls)
+        self.calls += 1
+        logits = self.net(x)
+        return {"loss": nn.functional.mse_loss(logits, labels), "logits": logits}
+
+
+def test_hf_trainer_a_gradient_spike_is_named_with_its_module(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    from transformers import Trainer, TrainingArguments
+
+    from nanwatch.adapters.hf_trainer import OverflowTrainerCallback
+
+    data = [{"x": x, "labels": y} for x, y in _batches(20)]
+    arguments = TrainingArguments(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=1,
+        max_steps=20,
+        learning_rate=1e-4,
+        lr_scheduler_type="constant",
+        optim="sgd",
+        max_grad_norm=0.0,
+        report_to=[],
+        save_strategy="no",
+        logging_strategy="no",
+        use_cpu=True,
+        disable_tqdm=True,
+    )
+    trainer = Trainer(
+        model=_Regressor(),
+        args=arguments,
+        train_dataset=data,
+        data_collator=lambda items: items[0],
+        callbacks=[OverflowTrainerCallback(report_dir=tmp_path / "reports", **WINDOW)],
+    )
+    trainer.train()
+
+    reports = _spike_reports(tmp_path / "reports")
+    assert list(reports) == [SPIKE_AT]
+    report = reports[SPIKE_AT]
+    # The Trainer's loss is computed inside the model: the gradients carry the spike here.
+    assert "gradients" in {signal["signal"] for signal in report["signals"]}
+    assert report["first_moved"] == {"module": "net.2", "kind": "output"}, report["modules"]
+    assert math.isfinite(trainer.state.log_history[-1].get("train_loss", 0.0))
