@@ -84,6 +84,9 @@ OPTIONS: dict[str, tuple[dict[str, Any], tuple[str, ...]]] = {
     "include 1 block": ({"include_modules": ["transformer.h.0", "transformer.h.0.*"]}, ("train", "infer")),
     "every 10th batch": ({"watch_every_n_batches": 10}, ("train",)),
     "every 10th + summary": ({"watch_every_n_batches": 10, "summary_every_n_batches": 10}, ("train",)),
+    # Spike warnings (issue 24): the loss (where the model hands it over) and the guard's gradient maximum judged
+    # against windows of 50, on the device.
+    "spike_window=50": ({"spike_window": 50}, ("train",)),
 }
 
 
@@ -98,6 +101,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--warmup", type=int, default=10, help="untimed steps per variant and mode first, a multiple of 10 (default 10)"
     )
     parser.add_argument("--each-option", action="store_true", help="also time one variant per option of OPTIONS")
+    parser.add_argument(
+        "--option", action="append", default=[], choices=list(OPTIONS), help="also time this variant of OPTIONS"
+    )
     parser.add_argument("--no-hf", action="store_true", help="leave transformers' DebugUnderflowOverflow out")
     parser.add_argument("--no-sentinel", action="store_true", help="leave the sentinel and guard-alone variants out")
     parser.add_argument(
@@ -513,6 +519,9 @@ class Bench:
         if isinstance(variant.handle, GuardOnly):
             variant.handle.start()
         loss = self.workload.train_loss()
+        config = getattr(variant.handle, "config", None)
+        if config is not None and config.spike_window is not None:  # the loss judged too, as a user would hand it over
+            variant.handle.watch_loss(loss)
         (loss if self.scaler is None else self.scaler.scale(loss)).backward()
         # What nanwatch keeps alive for a replay, at its largest: after backward, before the step lets it go.
         variant.held_bytes = max(variant.held_bytes, variant.nanwatch_held_bytes())
@@ -671,9 +680,9 @@ def make_variants(args: argparse.Namespace, mode: str) -> list[Variant]:
         names.append(Variant(f"watch, pause_gc={flipped.pause_gc}", flipped, _period(flipped)))
     if args.scaler and mode == "train":
         names.append(Variant(NO_SCALER, config, _period(config), give_scaler=False))
-    if args.each_option:
+    if args.each_option or args.option:
         for name, (overrides, modes) in OPTIONS.items():
-            if mode in modes:
+            if mode in modes and (args.each_option or name in args.option):
                 if "report_dir" in overrides:
                     overrides = overrides | {"report_dir": config.report_dir or tempfile.mkdtemp(prefix="nanwatch-")}
                 option_config = config.with_overrides(**overrides)

@@ -1,9 +1,11 @@
 """Is everything a checkpoint holds finite? One fused reduction over every floating-point tensor, one host read.
 
 The tensors are found wherever a checkpoint keeps them: nested dicts, lists and tuples (a Lightning checkpoint, an
-optimizer's `state_dict()`), a module (its `state_dict()`), an optimizer (its state). The largest magnitude of each is
-taken in one `_foreach_norm` per (device, dtype) (inf or nan as soon as one value is), and every group's verdict is
-read with one `.item()`; only a checkpoint that fails is walked again, tensor by tensor, to name what is not finite.
+optimizer's `state_dict()`), a module (its `state_dict()`), an optimizer (its state). The 2-norm of each is taken in
+one `_foreach_norm` per (device, dtype), accumulated in float32 (inf or nan as soon as one value is; on the CPU the
+2-norm runs about thirty times faster than the infinity norm), and every group's verdict is read with one `.item()`.
+Only a checkpoint that fails is walked again, tensor by tensor, with the exact test (`abs().amax()`), to name what is
+not finite; a norm that overflowed from huge finite values (above 1e19) passes there.
 """
 
 from __future__ import annotations
@@ -51,8 +53,8 @@ def non_finite_tensors(state: Any) -> tuple[list[tuple[str, str]], int]:
         by_kind.setdefault((tensor.device, tensor.dtype), []).append(tensor)
     flags: dict[torch.device, list[torch.Tensor]] = {}
     for (device, _), tensors in by_kind.items():
-        maxima = torch._foreach_norm(tensors, math.inf)
-        flags.setdefault(device, []).append(torch.isfinite(torch.stack(maxima)).all())
+        norms = torch._foreach_norm(tensors, 2.0, dtype=torch.float32)
+        flags.setdefault(device, []).append(torch.isfinite(torch.stack(norms)).all())
     # One host read per device (one in all on a single-device rank).
     if all(bool(torch.stack(device_flags).all()) for device_flags in flags.values()):
         return [], len(found)
