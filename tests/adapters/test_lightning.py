@@ -199,6 +199,7 @@ def test_abort_after_batch_num_stops_the_run_cleanly(tmp_path: Path, caplog: pyt
     trainer = make_trainer(tmp_path, [callback], max_epochs=5)
     nanwatch_logger = logging.getLogger("nanwatch")  # it does not propagate to the root logger caplog listens on
     nanwatch_logger.addHandler(caplog.handler)
+    nanwatch_logger.setLevel(logging.INFO)  # with only caplog's handler, get_logger() sets no level (conftest restores)
     try:
         trainer.fit(model, *loaders())  # returns normally, as with EarlyStopping
     finally:

@@ -2,7 +2,8 @@
 
 Where a framework has no event before it writes (Lightning's strategy writes what its callbacks built; Accelerate's
 `save_state` rotates old checkpoints out before its pre-hooks run), the framework object's own method is wrapped, on
-that one instance, for as long as nanwatch watches (the returned `undo` puts it back).
+that one instance, for as long as the watcher watches: the wrapping is a handle in `watcher.hooks`, undone with the
+watcher's other hooks when it closes.
 """
 
 from __future__ import annotations
@@ -18,8 +19,18 @@ from nanwatch.core.contract import AdapterContract
 
 __all__ = ["guard_lightning_saves", "guard_accelerate_saves", "verify_trainer_save", "save_checked"]
 
-Undo = Callable[[], None]
-WatcherOf = Callable[[], "AdapterContract | None"]
+
+class _Wrapped:
+    """A method wrapped on one instance; `remove()` puts the class's own back (a `HookSet` handle)."""
+
+    def __init__(self, owner: Any, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+        self._owner, self._name = owner, name
+        self._wrapped = make(getattr(owner, name))
+        setattr(owner, name, self._wrapped)
+
+    def remove(self) -> None:
+        if self._owner.__dict__.get(self._name) is self._wrapped:
+            delattr(self._owner, self._name)
 
 
 def save_checked(watcher: AdapterContract, state: Any, path: str | os.PathLike[str], step: int | None) -> None:
@@ -29,65 +40,45 @@ def save_checked(watcher: AdapterContract, state: Any, path: str | os.PathLike[s
     torch.save(state, target)
 
 
-def _wrap(owner: Any, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> Undo:
-    original = getattr(owner, name)
-    wrapped = make(original)
-    setattr(owner, name, wrapped)  # on this instance only
-
-    def undo() -> None:
-        if owner.__dict__.get(name) is wrapped:
-            delattr(owner, name)
-
-    return undo
-
-
-def guard_lightning_saves(watcher_of: WatcherOf, trainer: Any) -> Undo:
+def guard_lightning_saves(watcher: AdapterContract, trainer: Any) -> None:
     """Check each checkpoint Lightning's strategy is about to write (`trainer.save_checkpoint`, `ModelCheckpoint`):
     on every rank (the weights are the same under DDP), before the file is written or an older one removed."""
 
     def make(save: Callable[..., Any]) -> Callable[..., Any]:
         def save_checkpoint(checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> Any:
-            watcher = watcher_of()
-            if watcher is not None:
-                step = checkpoint.get("global_step", trainer.global_step)
-                # The weights and the optimizers' state; not the callbacks' (ModelCheckpoint keeps an inf on purpose).
-                state = {key: checkpoint[key] for key in ("state_dict", "optimizer_states") if key in checkpoint}
-                watcher.verify_checkpoint(
-                    state, os.fspath(filepath), step=step, write_aside=lambda aside: save(checkpoint, aside)
-                )
+            step = checkpoint.get("global_step", trainer.global_step)
+            # The weights and the optimizers' state; not the callbacks' (ModelCheckpoint keeps an inf on purpose).
+            state = {key: checkpoint[key] for key in ("state_dict", "optimizer_states") if key in checkpoint}
+            watcher.verify_checkpoint(
+                state, os.fspath(filepath), step=step, write_aside=lambda aside: save(checkpoint, aside)
+            )
             return save(checkpoint, filepath, storage_options=storage_options)
 
         return save_checkpoint
 
-    return _wrap(trainer.strategy, "save_checkpoint", make)
+    watcher.hooks.add_handle(_Wrapped(trainer.strategy, "save_checkpoint", make))
 
 
-def guard_accelerate_saves(watcher_of: WatcherOf, accelerator: Any) -> Undo:
+def guard_accelerate_saves(watcher: AdapterContract, accelerator: Any) -> None:
     """Check the prepared models and optimizers before `accelerator.save_state()` does anything (with automatic
     checkpoint naming it deletes the oldest checkpoints first)."""
 
     def make(save_state: Callable[..., Any]) -> Callable[..., Any]:
         def checked_save_state(output_dir: str | None = None, *args: Any, **kwargs: Any) -> Any:
-            watcher = watcher_of()
-            if watcher is not None:
-                models = list(getattr(accelerator, "_models", []))
-                optimizers = [real_optimizer(o) for o in getattr(accelerator, "_optimizers", [])]
-                state = {"models": models, "optimizers": optimizers}
-                path = output_dir if output_dir is not None else _automatic_dir(accelerator)
+            models = list(getattr(accelerator, "_models", []))
+            optimizers = [real_optimizer(o) for o in getattr(accelerator, "_optimizers", [])]
+            state = {"models": models, "optimizers": optimizers}
+            path = output_dir if output_dir is not None else _automatic_dir(accelerator)
 
-                def write_aside(aside: str) -> None:
-                    dicts = {
-                        "models": [m.state_dict() for m in models],
-                        "optimizers": [o.state_dict() for o in optimizers],
-                    }
-                    torch.save(dicts, aside)
+            def write_aside(aside: str) -> None:
+                torch.save({key: [part.state_dict() for part in parts] for key, parts in state.items()}, aside)
 
-                watcher.verify_checkpoint(state, os.fspath(path), write_aside=write_aside)
+            watcher.verify_checkpoint(state, os.fspath(path), write_aside=write_aside)
             return save_state(output_dir, *args, **kwargs)
 
         return checked_save_state
 
-    return _wrap(accelerator, "save_state", make)
+    watcher.hooks.add_handle(_Wrapped(accelerator, "save_state", make))
 
 
 def _automatic_dir(accelerator: Any) -> str:
@@ -97,12 +88,11 @@ def _automatic_dir(accelerator: Any) -> str:
     return os.path.join(accelerator.project_dir or ".", "checkpoints", f"checkpoint_{iteration}")
 
 
-def verify_trainer_save(
-    watcher: AdapterContract, output_dir: str, global_step: int, model: Any, optimizer: Any
-) -> None:
+def verify_trainer_save(watcher: AdapterContract, output_dir: str, global_step: int, kwargs: dict[str, Any]) -> None:
     """The HF Trainer is about to save checkpoint-<global_step> (its control says so): check the model and the
-    optimizer it will write."""
-    state: dict[str, Any] = {"model": model}
+    optimizer (from the event's `kwargs`) it will write."""
+    optimizer = kwargs.get("optimizer")
+    state: dict[str, Any] = {"model": kwargs.get("model")}
     if optimizer is not None:
         state["optimizer"] = real_optimizer(optimizer)
 

@@ -4,11 +4,13 @@ live handle per model (`take_over`), and the scale of the loop's GradScaler read
 
 from __future__ import annotations
 
+import os
 import weakref
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch
 
+from nanwatch.adapters._checkpoints import save_checked
 from nanwatch.core.contract import AdapterContract
 from nanwatch.core.log import warn
 
@@ -19,10 +21,29 @@ _H = TypeVar("_H", bound="UserHandle")
 
 class UserHandle:
     """What the object a user holds (`nanwatch.watch`'s handle, Accelerate's tracker) offers in both: the counters
-    (0 or None before there is a watcher), a loss recorded, a summary on demand, `with handle:`."""
+    (0 or None before there is a watcher), a loss recorded, a summary on demand, a checked checkpoint, the skipped
+    micro-batches, `with handle:`."""
 
     watcher: AdapterContract | None
     _epoch_said: int | None = None  # by `set_epoch`, for a watcher that comes later too
+
+    def save_checkpoint(self, state: Any, path: str | os.PathLike[str], *, step: int | None = None) -> None:
+        """`torch.save(state, path)`, once every weight and optimizer state in `state` is checked finite (one fused
+        check; `checkpoint_guard`). Pass modules and optimizers or their state dicts: `{"model": model.state_dict(),
+        "optimizer": optimizer.state_dict()}`. A finite checkpoint is the one later reports name as where to resume.
+
+        Raises:
+            NonFiniteCheckpoint: `state` holds inf/nan; nothing was written to `path` (with `checkpoint_guard=
+                "quarantine"`, it was written to `<path>.nonfinite`).
+        """
+        if self.watcher is None:
+            raise RuntimeError("nanwatch: save_checkpoint() needs a watcher (attach() first)")
+        save_checked(self.watcher, state, path, step)
+
+    @property
+    def skipped(self) -> list[dict[str, object]]:
+        """Under `on_detect="skip"`: the micro-batches whose optimizer step was skipped (report_dir/skipped.jsonl)."""
+        return [] if self.watcher is None else self.watcher.skipped
 
     def watch_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """Record a loss computed outside the model as a frame of its own (module `(loss)`); returns `loss`:

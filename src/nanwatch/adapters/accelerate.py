@@ -10,7 +10,6 @@ the prepared dataloader's `iteration`, unless `set_epoch()` says otherwise. More
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -56,7 +55,6 @@ class OverflowTracker(_common.UserHandle, GeneralTracker):  # type: ignore[misc]
         self.watcher: AdapterContract | None = None
         self._batch_open = False
         self._pending_state: dict[str, Any] | None = None
-        self._unguard_saves: Callable[[], None] | None = None
 
     @property
     def tracker(self) -> AdapterContract | None:
@@ -123,14 +121,11 @@ class OverflowTracker(_common.UserHandle, GeneralTracker):  # type: ignore[misc]
         _common.follow_scaler(watcher, accelerator)
         self.watcher = watcher
         self._batch_open = False
-        self._unguard_saves = _common.guard_accelerate_saves(lambda: self.watcher, accelerator)
+        _common.guard_accelerate_saves(watcher, accelerator)  # save_state() checks first, until detach()
         return self
 
     def detach(self) -> None:
         """Remove every hook (on all modules and optimizers); log a report if the last frames hold inf/nan."""
-        undo, self._unguard_saves = self._unguard_saves, None
-        if undo is not None:
-            undo()
         if self.watcher is not None and self.watcher.attached:
             self.watcher.close()
 

@@ -103,8 +103,7 @@ class OverflowTrainerCallback(TrainerCallback):  # type: ignore[misc,unused-igno
 
     def _before_top_forward(self, module: torch.nn.Module, args: tuple[Any, ...]) -> None:
         # The Trainer calls model.train() before each training_step and model.eval() before evaluating.
-        watcher = self.watcher
-        if watcher is not None:
+        if (watcher := self.watcher) is not None:
             # Raises when another rank stopped: our hooks go with the error (a NanwatchError in a forward hook
             # does not close them: see close_when_forward_raises).
             self._run(lambda: watcher.start_batch("train" if module.training else "eval"))
@@ -114,8 +113,7 @@ class OverflowTrainerCallback(TrainerCallback):  # type: ignore[misc,unused-igno
     ) -> None:
         # After `scaler.step` and `scaler.update`, skipped or not: the one reading of the scale per step, so a drop
         # (and a fall below the floor) is put on the micro-batch whose gradients caused it.
-        watcher = self.watcher
-        if watcher is not None:
+        if (watcher := self.watcher) is not None:
             self._run(lambda: watcher.on_optimizer_step("settled", optimizer_step=state.global_step))
 
     def on_substep_end(
@@ -135,25 +133,14 @@ class OverflowTrainerCallback(TrainerCallback):  # type: ignore[misc,unused-igno
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         if self._summary.due:  # on every rank alike (see HeldForLog)
             control.should_log = True
-        self._before_save(args, state, control, kwargs)
+        self.on_epoch_end(args, state, control, **kwargs)
 
     def on_epoch_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        self._before_save(args, state, control, kwargs)
-
-    def _before_save(
-        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, kwargs: dict[str, Any]
-    ) -> None:
         # The Trainer saves (and rotates older checkpoints out) right after these events when its control says so.
-        watcher = self.watcher
-        if watcher is not None and control.should_save:
-            model, optimizer = kwargs.get("model"), kwargs.get("optimizer")
-            self._run(
-                lambda: _common.verify_trainer_save(
-                    watcher, args.output_dir or ".", state.global_step, model, optimizer
-                )
-            )
+        if (watcher := self.watcher) is not None and control.should_save:
+            self._run(lambda: _common.verify_trainer_save(watcher, args.output_dir or ".", state.global_step, kwargs))
 
     def on_log(
         self,

@@ -9,7 +9,6 @@ optimization or with `watch_gradients`. `abort_after_batch_num` sets `trainer.sh
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
@@ -53,7 +52,6 @@ class OverflowCallback(Callback):
         self.config = resolve_config(config, **overrides)
         self.watcher: AdapterContract | None = None  # while a fit (or a watched validate/test) runs
         self._counters: dict[str, Any] | None = None  # kept between fits, restored from checkpoints
-        self._unguard_saves: Callable[[], None] | None = None
 
     def _start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.watcher is not None:
@@ -80,14 +78,11 @@ class OverflowCallback(Callback):
             (pl_module,),
             "Return the optimizer from configure_optimizers(): nanwatch then checks before each of its steps.",
         )
-        self.watcher = watcher
         # Every checkpoint the strategy writes is checked first (ModelCheckpoint's, trainer.save_checkpoint()).
-        self._unguard_saves = _common.guard_lightning_saves(lambda: self.watcher, trainer)
+        _common.guard_lightning_saves(watcher, trainer)
+        self.watcher = watcher
 
     def _stop(self, *, check: bool = False) -> None:
-        undo, self._unguard_saves = self._unguard_saves, None
-        if undo is not None:
-            undo()
         if self.watcher is not None:
             self._counters = self.watcher.state_dict()
             watcher, self.watcher = self.watcher, None

@@ -10,7 +10,6 @@ nothing); one watcher per model (`_common.take_over`).
 from __future__ import annotations
 
 import contextlib
-import os
 from types import TracebackType
 from typing import Any
 
@@ -75,11 +74,6 @@ class WatchHandle(_common.UserHandle):
     def config(self) -> WatchConfig:
         return self.watcher.config
 
-    @property
-    def skipped(self) -> list[dict[str, object]]:
-        """Under `on_detect="skip"`: the micro-batches whose optimizer step was skipped (report_dir/skipped.jsonl)."""
-        return self.watcher.skipped
-
     def _before_top_forward(self, module: torch.nn.Module, args: tuple[Any, ...]) -> None:
         training = module.training
 
@@ -114,17 +108,6 @@ class WatchHandle(_common.UserHandle):
 
         _common.stop_on_error(self.watcher, end)
         self._scale.step_done()
-
-    def save_checkpoint(self, state: Any, path: str | os.PathLike[str], *, step: int | None = None) -> None:
-        """`torch.save(state, path)`, once every weight and optimizer state in `state` is checked finite (one fused
-        check; `checkpoint_guard`). Pass modules and optimizers or their state dicts: `{"model": model.state_dict(),
-        "optimizer": optimizer.state_dict()}`. A finite checkpoint is the one later reports name as where to resume.
-
-        Raises:
-            NonFiniteCheckpoint: `state` holds inf/nan; nothing was written to `path` (with `checkpoint_guard=
-                "quarantine"`, it was written to `<path>.nonfinite`).
-        """
-        _common.save_checked(self.watcher, state, path, step)
 
     def check(self) -> None:
         """Check now (one host sync, and a collective when distributed) rather than waiting for `step()`."""
