@@ -278,3 +278,115 @@ def test_two_ddp_ranks_skip_the_same_step_when_only_rank_1_sees_inf(tmp_path: Pa
         (6, 1, 3),
     ]
     assert (tmp_path / "reports" / "nanwatch-report-rank1-batch3.txt").exists()
+
+
+# ------------------------------------------------------------------------- the limit of skips in a row, per framework
+
+
+def test_lightning_stops_at_the_limit_of_skips_in_a_row(tmp_path: Path) -> None:
+    pytest.importorskip("lightning")
+    import lightning.pytorch as pl
+
+    from nanwatch.adapters.lightning import OverflowCallback
+
+    class AlwaysInfFromBatch2(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = small_mlp()
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            self.net[2].factor = math.inf if batch_idx >= 2 else 1.0
+            return nn.functional.mse_loss(self.net(x), y)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    callback = OverflowCallback(on_detect="skip", max_consecutive_skips=2, report_dir=tmp_path)
+    trainer = pl.Trainer(
+        max_steps=8,
+        accelerator="cpu",
+        callbacks=[callback],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
+    with pytest.raises(StepsSkippedInARow) as caught:
+        trainer.fit(AlwaysInfFromBatch2(), torch.utils.data.DataLoader(_batches(8), batch_size=None))
+
+    assert (caught.value.batch_number, caught.value.skipped) == (4, 2)
+    assert [entry["batch_number"] for entry in _skip_list(tmp_path)] == [2, 3]
+
+
+def test_accelerate_stops_at_the_limit_of_skips_in_a_row(tmp_path: Path) -> None:
+    pytest.importorskip("accelerate")
+    from accelerate import Accelerator
+
+    from nanwatch.adapters.accelerate import OverflowTracker
+
+    tracker = OverflowTracker(on_detect="skip", max_consecutive_skips=1, report_dir=tmp_path)
+    accelerator = Accelerator(cpu=True, log_with=[tracker])
+    model = small_mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    tracker.attach(accelerator, model)
+
+    def train() -> None:
+        for index, (x, y) in enumerate(_batches(6)):
+            model[2].factor = math.inf if index in (1, 3, 4) else 1.0  # 1 skipped, 3 skipped, 4: a second in a row
+            accelerator.backward(nn.functional.mse_loss(model(x), y))
+            optimizer.step()
+            optimizer.zero_grad()
+
+    with pytest.raises(StepsSkippedInARow) as caught:
+        train()
+    tracker.detach()
+
+    assert (caught.value.batch_number, caught.value.skipped) == (4, 1)
+    assert [entry["batch_number"] for entry in _skip_list(tmp_path)] == [1, 3]
+
+
+def test_hf_trainer_stops_at_the_limit_of_skips_in_a_row(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    from transformers import Trainer, TrainingArguments
+
+    from nanwatch.adapters.hf_trainer import OverflowTrainerCallback
+
+    class InfFromCall2(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = small_mlp()
+            self.calls = 0
+
+        def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+            self.net[2].factor = math.inf if self.calls >= 2 else 1.0
+            self.calls += 1
+            logits = self.net(x)
+            return {"loss": nn.functional.mse_loss(logits, labels), "logits": logits}
+
+    arguments = TrainingArguments(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=1,
+        max_steps=8,
+        report_to=[],
+        save_strategy="no",
+        logging_strategy="no",
+        use_cpu=True,
+        disable_tqdm=True,
+    )
+    callback = OverflowTrainerCallback(on_detect="skip", max_consecutive_skips=3, report_dir=tmp_path / "reports")
+    trainer = Trainer(
+        model=InfFromCall2(),
+        args=arguments,
+        train_dataset=[{"x": x, "labels": y} for x, y in _batches(8)],
+        data_collator=lambda items: items[0],
+        callbacks=[callback],
+    )
+    with pytest.raises(StepsSkippedInARow) as caught:
+        trainer.train()
+
+    assert (caught.value.batch_number, caught.value.skipped) == (5, 3)
+    assert [entry["batch_number"] for entry in _skip_list(tmp_path / "reports")] == [2, 3, 4]
+    assert trainer.state.global_step == 5, "steps 0-4 ran (2, 3, 4 applying nothing); step 5 raised before its update"
+    assert callback.watcher is None
