@@ -35,8 +35,9 @@ from nanwatch.core.report import Report
 
 __all__ = ["HISTORY", "SpikeMonitor", "Window"]
 
-# Checks whose frames are kept (references only) to tell each module's recent level.
-HISTORY = 8
+# Checks whose output lines are kept (references only) to tell each module's recent level. Kept objects cost: the
+# garbage collector walks them, so only each frame's output lines are kept, for a few checks.
+HISTORY = 4
 # Modules named in a spike's report.
 MAX_MODULES = 10
 _MIN_VALUES = 8
@@ -111,8 +112,13 @@ class SpikeMonitor(Feature):
         return None  # a spike is a warning: the run goes on
 
     def on_commit(self, ctx: EngineContext, frames: Sequence[Frame]) -> None:
-        if frames:
-            self._history.append(list(frames))
+        outputs = [
+            Frame(frame.module_name, frame.class_name, frame.batch_number, frame.phase, lines, frame.direction)
+            for frame in frames
+            if (lines := [entry for entry in frame.entries if entry.role is Role.OUTPUT])
+        ]
+        if outputs:
+            self._history.append(outputs)
 
     def close(self, ctx: EngineContext) -> None:
         self._history.clear()
