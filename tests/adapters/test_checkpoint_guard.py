@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from tests.adapters.long_runs import FRAMEWORK_NOISE, batches, lightning_trainer
 from tests.models import OverflowingSGD, small_mlp
 from torch import nn
 
@@ -20,17 +21,7 @@ from nanwatch.core.stats.finite import non_finite_tensors
 SCRIPTS = Path(__file__).parent / "scripts"
 sys.path.insert(0, str(SCRIPTS))
 
-pytestmark = pytest.mark.filterwarnings(
-    "ignore:.*does not have many workers.*",
-    "ignore:.*isinstance\\(treespec, LeafSpec\\).*",
-    "ignore:.*smaller than the logging interval.*",
-    "ignore:.*Checkpoint directory .* exists and is not empty.*",
-)
-
-
-def _batches(count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    generator = torch.Generator().manual_seed(1)
-    return [(torch.randn(4, 4, generator=generator), torch.randn(4, 1, generator=generator)) for _ in range(count)]
+pytestmark = FRAMEWORK_NOISE
 
 
 def _state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -76,7 +67,7 @@ def _plain_run(tmp_path: Path, **config: Any) -> tuple[NonFiniteCheckpoint, list
     optimizer = OverflowingSGD(model.parameters(), at=3)
     paths = []
     with watch(model, optimizer=optimizer, **config) as handle:
-        for step, (x, y) in enumerate(_batches(5), start=1):
+        for step, (x, y) in enumerate(batches(5), start=1):
             optimizer.zero_grad()
             nn.functional.mse_loss(model(x), y).backward()
             optimizer.step()
@@ -134,7 +125,7 @@ def test_plain_every_later_report_names_the_last_good_checkpoint(tmp_path: Path)
 
     def train() -> None:
         with watch(model, optimizer=optimizer, report_dir=tmp_path) as handle:
-            for index, (x, y) in enumerate(_batches(4)):
+            for index, (x, y) in enumerate(batches(4)):
                 if index == 2:
                     model[2].factor = math.inf
                 optimizer.zero_grad()
@@ -175,16 +166,9 @@ def test_lightning_refuses_the_poisoned_checkpoint_and_keeps_the_last_good_one(t
     directory = tmp_path / "checkpoints"
     # save_top_k=1 without a monitor keeps only the latest checkpoint: Lightning deletes the one before as it saves.
     keep_latest = ModelCheckpoint(dirpath=directory, every_n_train_steps=1, save_top_k=1)
-    trainer = pl.Trainer(
-        max_steps=6,
-        accelerator="cpu",
-        callbacks=[OverflowCallback(), keep_latest],
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = lightning_trainer(6, [OverflowCallback(), keep_latest], checkpointing=True)
     with pytest.raises(NonFiniteCheckpoint) as caught:
-        trainer.fit(Regressor(), torch.utils.data.DataLoader(_batches(6), batch_size=None))
+        trainer.fit(Regressor(), torch.utils.data.DataLoader(batches(6), batch_size=None))
 
     error = caught.value
     assert [path.name for path in directory.iterdir()] == ["epoch=0-step=2.ckpt"], "the last good one was kept"
@@ -216,7 +200,7 @@ def test_accelerate_save_state_refuses_before_rotating_anything(tmp_path: Path) 
     saved = tmp_path / "checkpoints"
 
     def train() -> None:
-        for x, y in _batches(5):
+        for x, y in batches(5):
             optimizer.zero_grad()
             accelerator.backward(nn.functional.mse_loss(model(x), y))
             optimizer.step()

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+from tests.adapters.long_runs import FRAMEWORK_NOISE, batches, lightning_trainer, same, snapshot
 from tests.models import small_mlp
 from torch import nn
 
@@ -20,25 +21,7 @@ from nanwatch import NonFiniteError, StepsSkippedInARow, watch
 SCRIPTS = Path(__file__).parent / "scripts"
 sys.path.insert(0, str(SCRIPTS))
 
-pytestmark = pytest.mark.filterwarnings(
-    "ignore:.*does not have many workers.*",
-    "ignore:.*isinstance\\(treespec, LeafSpec\\).*",
-    "ignore:.*smaller than the logging interval.*",
-    "ignore:.*Checkpoint directory .* exists and is not empty.*",
-)
-
-
-def _batches(count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    generator = torch.Generator().manual_seed(1)
-    return [(torch.randn(4, 4, generator=generator), torch.randn(4, 1, generator=generator)) for _ in range(count)]
-
-
-def _snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {name: value.detach().clone() for name, value in model.state_dict().items()}
-
-
-def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-    return all(torch.equal(a[name], b[name]) for name in a)
+pytestmark = FRAMEWORK_NOISE
 
 
 def _skip_list(report_dir: Path) -> list[dict[str, Any]]:
@@ -53,16 +36,16 @@ def _plain_run(report_dir: Path, inf_at: set[int], count: int = 6, **config: Any
     """A plain loop with Adam; the Scale module multiplies by inf in the micro-batches `inf_at`."""
     model = small_mlp()
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
-    weights = [_snapshot(model)]
+    weights = [snapshot(model)]
     adam_steps = []
     with watch(model, optimizer=optimizer, on_detect="skip", report_dir=report_dir, **config) as handle:
-        for index, (x, y) in enumerate(_batches(count)):
+        for index, (x, y) in enumerate(batches(count)):
             model[2].factor = math.inf if index in inf_at else 1.0
             optimizer.zero_grad()
             nn.functional.mse_loss(model(x), y).backward()
             optimizer.step()
             handle.step()
-            weights.append(_snapshot(model))
+            weights.append(snapshot(model))
             adam_steps.append(int(optimizer.state[model[0].weight]["step"]) if optimizer.state else 0)
         skipped = handle.skipped
         optimizer_step = handle.watcher.optimizer_step
@@ -73,8 +56,8 @@ def test_plain_a_bad_micro_batch_is_skipped_and_the_run_goes_on(tmp_path: Path) 
     run = _plain_run(tmp_path, inf_at={2})
 
     weights = run["weights"]
-    assert _same(weights[3], weights[2]), "the step of micro-batch 2 changed the weights"
-    assert all(not _same(weights[i + 1], weights[i]) for i in (0, 1, 3, 4, 5)), "every other step applied"
+    assert same(weights[3], weights[2]), "the step of micro-batch 2 changed the weights"
+    assert all(not same(weights[i + 1], weights[i]) for i in (0, 1, 3, 4, 5)), "every other step applied"
     assert all(torch.isfinite(value).all() for value in weights[-1].values())
     assert run["adam_steps"] == [1, 2, 2, 3, 4, 5], "Adam's state did not move on the skipped step"
     assert run["optimizer_step"] == 6, "the loop called step() six times: six counted, as a GradScaler's skip is"
@@ -109,7 +92,7 @@ def test_plain_raise_stays_the_default(tmp_path: Path) -> None:
 
     def train() -> None:
         with watch(model, optimizer=optimizer, report_dir=tmp_path) as handle:
-            x, y = _batches(1)[0]
+            x, y = batches(1)[0]
             nn.functional.mse_loss(model(x), y).backward()
             optimizer.step()
             handle.step()
@@ -164,7 +147,7 @@ def test_lightning_skips_the_step_and_counts_it_as_lightning_counts_any(tmp_path
             return nn.functional.mse_loss(self.net(x), y)
 
         def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
-            self.weights.append(_snapshot(self.net))
+            self.weights.append(snapshot(self.net))
 
         def configure_optimizers(self) -> Any:
             optimizer = torch.optim.Adam(self.parameters(), lr=0.01)
@@ -172,22 +155,14 @@ def test_lightning_skips_the_step_and_counts_it_as_lightning_counts_any(tmp_path
             return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     module = Regressor()
-    initial = _snapshot(module.net)
+    initial = snapshot(module.net)
     callback = OverflowCallback(on_detect="skip", report_dir=tmp_path)
-    trainer = pl.Trainer(
-        max_steps=5,
-        accelerator="cpu",
-        callbacks=[callback],
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-    )
-    trainer.fit(module, torch.utils.data.DataLoader(_batches(5), batch_size=None))
+    trainer = lightning_trainer(5, [callback])
+    trainer.fit(module, torch.utils.data.DataLoader(batches(5), batch_size=None))
 
     weights = [initial, *module.weights]
-    assert _same(weights[3], weights[2]), "the step of batch 2 changed the weights"
-    assert all(not _same(weights[i + 1], weights[i]) for i in (0, 1, 3, 4))
+    assert same(weights[3], weights[2]), "the step of batch 2 changed the weights"
+    assert all(not same(weights[i + 1], weights[i]) for i in (0, 1, 3, 4))
     assert trainer.global_step == 5, "Lightning counts the skipped step, as it counts a step its closure skips"
     assert trainer.lr_scheduler_configs[0].scheduler.last_epoch == 5, "the scheduler stepped with every step"
     listed = _skip_list(tmp_path)
@@ -210,20 +185,20 @@ def test_accelerate_skips_the_step_and_goes_on(tmp_path: Path) -> None:
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
     model, optimizer = accelerator.prepare(model, optimizer)
     tracker.attach(accelerator, model)
-    weights = [_snapshot(model)]
-    for index, (x, y) in enumerate(_batches(8)):
+    weights = [snapshot(model)]
+    for index, (x, y) in enumerate(batches(8)):
         model[2].factor = math.inf if index == 3 else 1.0  # the second micro-batch of optimizer step 1
         with accelerator.accumulate(model):
             accelerator.backward(nn.functional.mse_loss(model(x), y))
             optimizer.step()
             optimizer.zero_grad()
         if accelerator.sync_gradients:
-            weights.append(_snapshot(model))
+            weights.append(snapshot(model))
     tracker.detach()
 
     assert len(weights) == 5
-    assert _same(weights[2], weights[1]), "the step holding micro-batch 3 changed the weights"
-    assert all(not _same(weights[i + 1], weights[i]) for i in (0, 2, 3))
+    assert same(weights[2], weights[1]), "the step holding micro-batch 3 changed the weights"
+    assert all(not same(weights[i + 1], weights[i]) for i in (0, 2, 3))
     listed = _skip_list(tmp_path)
     assert [entry["batch_number"] for entry in listed] == [3]
     assert tracker.watcher is not None
@@ -303,17 +278,9 @@ def test_lightning_stops_at_the_limit_of_skips_in_a_row(tmp_path: Path) -> None:
             return torch.optim.SGD(self.parameters(), lr=0.01)
 
     callback = OverflowCallback(on_detect="skip", max_consecutive_skips=2, report_dir=tmp_path)
-    trainer = pl.Trainer(
-        max_steps=8,
-        accelerator="cpu",
-        callbacks=[callback],
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-    )
+    trainer = lightning_trainer(8, [callback])
     with pytest.raises(StepsSkippedInARow) as caught:
-        trainer.fit(AlwaysInfFromBatch2(), torch.utils.data.DataLoader(_batches(8), batch_size=None))
+        trainer.fit(AlwaysInfFromBatch2(), torch.utils.data.DataLoader(batches(8), batch_size=None))
 
     assert (caught.value.batch_number, caught.value.skipped) == (4, 2)
     assert [entry["batch_number"] for entry in _skip_list(tmp_path)] == [2, 3]
@@ -333,7 +300,7 @@ def test_accelerate_stops_at_the_limit_of_skips_in_a_row(tmp_path: Path) -> None
     tracker.attach(accelerator, model)
 
     def train() -> None:
-        for index, (x, y) in enumerate(_batches(6)):
+        for index, (x, y) in enumerate(batches(6)):
             model[2].factor = math.inf if index in (1, 3, 4) else 1.0  # 1 skipped, 3 skipped, 4: a second in a row
             accelerator.backward(nn.functional.mse_loss(model(x), y))
             optimizer.step()
@@ -379,7 +346,7 @@ def test_hf_trainer_stops_at_the_limit_of_skips_in_a_row(tmp_path: Path) -> None
     trainer = Trainer(
         model=InfFromCall2(),
         args=arguments,
-        train_dataset=[{"x": x, "labels": y} for x, y in _batches(8)],
+        train_dataset=[{"x": x, "labels": y} for x, y in batches(8)],
         data_collator=lambda items: items[0],
         callbacks=[callback],
     )

@@ -11,24 +11,22 @@ from typing import Any
 
 import pytest
 import torch
+from tests.adapters.long_runs import FRAMEWORK_NOISE, batches, lightning_trainer
 from tests.models import small_mlp
 from torch import nn
 
 from nanwatch import ConfigError, WatchConfig, watch
 
 SPIKE_AT = 14
+
+
+def _batches16(count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return batches(count, size=16)
+
+
 WINDOW = {"spike_window": 10}
 
-pytestmark = pytest.mark.filterwarnings(
-    "ignore:.*does not have many workers.*",
-    "ignore:.*isinstance\\(treespec, LeafSpec\\).*",
-    "ignore:.*smaller than the logging interval.*",
-)
-
-
-def _batches(count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    generator = torch.Generator().manual_seed(1)
-    return [(torch.randn(16, 4, generator=generator), torch.randn(16, 1, generator=generator)) for _ in range(count)]
+pytestmark = FRAMEWORK_NOISE
 
 
 def _factor(index: int) -> float:
@@ -59,7 +57,7 @@ def test_plain_a_spike_is_named_with_its_module_and_the_run_goes_on(
     model = small_mlp()
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
     with watch(model, optimizer=optimizer, report_dir=tmp_path, **WINDOW) as handle:
-        for index, (x, y) in enumerate(_batches(20)):
+        for index, (x, y) in enumerate(_batches16(20)):
             model[2].factor = _factor(index)
             optimizer.zero_grad()
             handle.watch_loss(nn.functional.mse_loss(model(x), y)).backward()
@@ -80,7 +78,7 @@ def test_plain_no_spike_without_spike_window(tmp_path: Path) -> None:
     model = small_mlp()
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
     with watch(model, optimizer=optimizer, report_dir=tmp_path) as handle:
-        for index, (x, y) in enumerate(_batches(16)):
+        for index, (x, y) in enumerate(_batches16(16)):
             model[2].factor = _factor(index)
             optimizer.zero_grad()
             handle.watch_loss(nn.functional.mse_loss(model(x), y)).backward()
@@ -93,7 +91,7 @@ def test_a_loss_that_creeps_up_slowly_is_no_spike(tmp_path: Path) -> None:
     model = small_mlp()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
     with watch(model, optimizer=optimizer, report_dir=tmp_path, **WINDOW) as handle:
-        for index, (x, y) in enumerate(_batches(30)):
+        for index, (x, y) in enumerate(_batches16(30)):
             model[2].factor = 1.03**index  # the loss +6 % a micro-batch: 5.5x in all, never 2x the recent mean
             optimizer.zero_grad()
             handle.watch_loss(nn.functional.mse_loss(model(x), y)).backward()
@@ -135,16 +133,8 @@ def test_lightning_a_spike_is_named_with_its_module(tmp_path: Path) -> None:
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return torch.optim.SGD(self.parameters(), lr=1e-4)
 
-    trainer = pl.Trainer(
-        max_steps=20,
-        accelerator="cpu",
-        callbacks=[OverflowCallback(report_dir=tmp_path, **WINDOW)],
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-    )
-    trainer.fit(Regressor(), torch.utils.data.DataLoader(_batches(20), batch_size=None))
+    trainer = lightning_trainer(20, [OverflowCallback(report_dir=tmp_path, **WINDOW)])
+    trainer.fit(Regressor(), torch.utils.data.DataLoader(_batches16(20), batch_size=None))
 
     reports = _spike_reports(tmp_path)
     assert list(reports) == [SPIKE_AT]
@@ -169,7 +159,7 @@ def test_accelerate_a_spike_is_named_with_its_module(tmp_path: Path) -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
     model, optimizer = accelerator.prepare(model, optimizer)
     tracker.attach(accelerator, model)
-    for index, (x, y) in enumerate(_batches(20)):
+    for index, (x, y) in enumerate(_batches16(20)):
         model[2].factor = _factor(index)
         accelerator.backward(nn.functional.mse_loss(model(x), y))
         optimizer.step()
@@ -205,7 +195,7 @@ def test_hf_trainer_a_gradient_spike_is_named_with_its_module(tmp_path: Path) ->
 
     from nanwatch.adapters.hf_trainer import OverflowTrainerCallback
 
-    data = [{"x": x, "labels": y} for x, y in _batches(20)]
+    data = [{"x": x, "labels": y} for x, y in _batches16(20)]
     arguments = TrainingArguments(
         output_dir=str(tmp_path / "out"),
         per_device_train_batch_size=1,

@@ -1,0 +1,51 @@
+"""What the long-run tests (test_spikes, test_skip, test_checkpoint_guard) share: seeded regression batches, a
+weight snapshot, and the frameworks' warnings that small CPU runs raise."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+__all__ = ["FRAMEWORK_NOISE", "batches", "lightning_trainer", "same", "snapshot"]
+
+# What Lightning says about a tiny run on the CPU: nothing the tests look at.
+FRAMEWORK_NOISE = pytest.mark.filterwarnings(
+    "ignore:.*does not have many workers.*",
+    "ignore:.*isinstance\\(treespec, LeafSpec\\).*",
+    "ignore:.*smaller than the logging interval.*",
+    "ignore:.*Checkpoint directory .* exists and is not empty.*",
+)
+
+
+def batches(count: int, size: int = 4) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`count` (inputs, targets) pairs for `small_mlp`: `size` rows of 4 features, one target each, seeded."""
+    generator = torch.Generator().manual_seed(1)
+    return [
+        (torch.randn(size, 4, generator=generator), torch.randn(size, 1, generator=generator)) for _ in range(count)
+    ]
+
+
+def snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {name: value.detach().clone() for name, value in model.state_dict().items()}
+
+
+def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return all(torch.equal(a[name], b[name]) for name in a)
+
+
+def lightning_trainer(max_steps: int, callbacks: list[Any], *, checkpointing: bool = False) -> Any:
+    """A quiet Lightning `Trainer` on the CPU: no logger, no progress bar, no summary, `max_steps` steps."""
+    import lightning.pytorch as pl
+
+    return pl.Trainer(
+        max_steps=max_steps,
+        accelerator="cpu",
+        callbacks=callbacks,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=checkpointing,
+    )
