@@ -259,3 +259,24 @@ def test_hf_trainer_refuses_the_poisoned_checkpoint_and_keeps_the_last_good_one(
     assert error.last_good == (str(tmp_path / "checkpoint-2"), 2)
     assert any(where.startswith("model.") for where, _ in error.non_finite)
     assert callback.watcher is None, "the hooks went before the error left the Trainer"
+
+
+def test_plain_quarantine_on_a_full_disk_still_refuses_the_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = small_mlp()
+    with torch.no_grad():
+        model[0].weight.fill_(math.nan)
+
+    def full_disk(state: Any, path: Any) -> None:
+        raise OSError(28, "No space left on device")
+
+    with watch(model, checkpoint_guard="quarantine") as handle:
+        monkeypatch.setattr(torch, "save", full_disk)
+        with pytest.raises(NonFiniteCheckpoint) as caught:
+            handle.save_checkpoint(model.state_dict(), tmp_path / "nan.pt")
+        monkeypatch.undo()
+        assert handle.watcher.disabled_reason is None
+    assert caught.value.quarantine_path is None
+    assert "not written (writing it aside failed: OSError(28, 'No space left on device'))" in str(caught.value)
+    assert not (tmp_path / "nan.pt").exists()

@@ -46,13 +46,16 @@ class CheckpointGuard(Feature):
         if not bad:
             self.last_good = (path, step)
             return
-        aside = None
+        aside, failed = None, ""
         if self._policy == "quarantine" and write_aside is not None:
-            aside = f"{path.rstrip('/')}{QUARANTINE_SUFFIX}"
-            write_aside(aside)
+            try:
+                write_aside(f"{path.rstrip('/')}{QUARANTINE_SUFFIX}")
+                aside = f"{path.rstrip('/')}{QUARANTINE_SUFFIX}"
+            except Exception as error:  # a full disk: the checkpoint is still refused, never let through
+                failed = f" (writing it aside failed: {error!r})"
         shown = ", ".join(f"{where} {word}" for where, word in bad[:MAX_NAMED])
         more = f" and {len(bad) - MAX_NAMED} more" if len(bad) > MAX_NAMED else ""
-        written = f"written aside as {aside!r} instead" if aside is not None else "not written"
+        written = f"written aside as {aside!r} instead" if aside is not None else f"not written{failed}"
         message = (
             f"nanwatch: the checkpoint {path!r} (optimizer step {step}) holds inf/nan: {shown}{more} ({len(bad)} of "
             f"{checked} floating-point tensors); {written}. {_resume_from(self.last_good)}"
