@@ -3,13 +3,15 @@ weight snapshot, and the frameworks' warnings that small CPU runs raise."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
+from tests.models import small_mlp
 from torch import nn
 
-__all__ = ["FRAMEWORK_NOISE", "batches", "lightning_trainer", "same", "snapshot"]
+__all__ = ["FRAMEWORK_NOISE", "batches", "lightning_regressor", "lightning_trainer", "same", "snapshot"]
 
 # What Lightning says about a tiny run on the CPU: nothing the tests look at.
 FRAMEWORK_NOISE = pytest.mark.filterwarnings(
@@ -49,3 +51,24 @@ def lightning_trainer(max_steps: int, callbacks: list[Any], *, checkpointing: bo
         enable_model_summary=False,
         enable_checkpointing=checkpointing,
     )
+
+
+def lightning_regressor(optimizer: Callable[[Any], torch.optim.Optimizer], factor: Callable[[int], float]) -> Any:
+    """A LightningModule over `small_mlp` (as `net`) regressing `batches()`: its Scale module (`net.2`) multiplies by
+    `factor(batch_idx)` in each training step; `optimizer(parameters)` is what `configure_optimizers` returns."""
+    import lightning.pytorch as pl
+
+    class Regressor(pl.LightningModule):  # type: ignore[misc]
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = small_mlp()
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            self.net[2].factor = factor(batch_idx)
+            return nn.functional.mse_loss(self.net(x), y)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return optimizer(self.parameters())
+
+    return Regressor()

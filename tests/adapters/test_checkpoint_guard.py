@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from tests.adapters.long_runs import FRAMEWORK_NOISE, batches, lightning_trainer
+from tests.adapters.long_runs import FRAMEWORK_NOISE, batches, lightning_regressor, lightning_trainer
 from tests.models import OverflowingSGD, small_mlp
 from torch import nn
 
@@ -146,29 +146,19 @@ def test_plain_every_later_report_names_the_last_good_checkpoint(tmp_path: Path)
 
 def test_lightning_refuses_the_poisoned_checkpoint_and_keeps_the_last_good_one(tmp_path: Path) -> None:
     pytest.importorskip("lightning")
-    import lightning.pytorch as pl
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     from nanwatch.adapters.lightning import OverflowCallback
-
-    class Regressor(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.net = small_mlp()
-
-        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-            x, y = batch
-            return nn.functional.mse_loss(self.net(x), y)
-
-        def configure_optimizers(self) -> torch.optim.Optimizer:
-            return OverflowingSGD(self.parameters(), at=3)
 
     directory = tmp_path / "checkpoints"
     # save_top_k=1 without a monitor keeps only the latest checkpoint: Lightning deletes the one before as it saves.
     keep_latest = ModelCheckpoint(dirpath=directory, every_n_train_steps=1, save_top_k=1)
     trainer = lightning_trainer(6, [OverflowCallback(), keep_latest], checkpointing=True)
     with pytest.raises(NonFiniteCheckpoint) as caught:
-        trainer.fit(Regressor(), torch.utils.data.DataLoader(batches(6), batch_size=None))
+        trainer.fit(
+            lightning_regressor(lambda params: OverflowingSGD(params, at=3), lambda _: 1.0),
+            torch.utils.data.DataLoader(batches(6), batch_size=None),
+        )
 
     error = caught.value
     assert [path.name for path in directory.iterdir()] == ["epoch=0-step=2.ckpt"], "the last good one was kept"

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import torch
-from tests.adapters.long_runs import FRAMEWORK_NOISE, batches, lightning_trainer, same, snapshot
+from tests.adapters.long_runs import FRAMEWORK_NOISE, batches, lightning_regressor, lightning_trainer, same, snapshot
 from tests.models import small_mlp
 from torch import nn
 
@@ -260,27 +260,16 @@ def test_two_ddp_ranks_skip_the_same_step_when_only_rank_1_sees_inf(tmp_path: Pa
 
 def test_lightning_stops_at_the_limit_of_skips_in_a_row(tmp_path: Path) -> None:
     pytest.importorskip("lightning")
-    import lightning.pytorch as pl
 
     from nanwatch.adapters.lightning import OverflowCallback
 
-    class AlwaysInfFromBatch2(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.net = small_mlp()
-
-        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-            x, y = batch
-            self.net[2].factor = math.inf if batch_idx >= 2 else 1.0
-            return nn.functional.mse_loss(self.net(x), y)
-
-        def configure_optimizers(self) -> torch.optim.Optimizer:
-            return torch.optim.SGD(self.parameters(), lr=0.01)
-
     callback = OverflowCallback(on_detect="skip", max_consecutive_skips=2, report_dir=tmp_path)
     trainer = lightning_trainer(8, [callback])
+    inf_from_batch_2 = lightning_regressor(
+        lambda params: torch.optim.SGD(params, lr=0.01), lambda index: math.inf if index >= 2 else 1.0
+    )
     with pytest.raises(StepsSkippedInARow) as caught:
-        trainer.fit(AlwaysInfFromBatch2(), torch.utils.data.DataLoader(batches(8), batch_size=None))
+        trainer.fit(inf_from_batch_2, torch.utils.data.DataLoader(batches(8), batch_size=None))
 
     assert (caught.value.batch_number, caught.value.skipped) == (4, 2)
     assert [entry["batch_number"] for entry in _skip_list(tmp_path)] == [2, 3]

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from tests.adapters.long_runs import FRAMEWORK_NOISE, batches, lightning_trainer
+from tests.adapters.long_runs import FRAMEWORK_NOISE, batches, lightning_regressor, lightning_trainer
 from tests.models import small_mlp
 from torch import nn
 
@@ -116,25 +116,12 @@ def test_bad_spike_settings_are_named() -> None:
 
 def test_lightning_a_spike_is_named_with_its_module(tmp_path: Path) -> None:
     pytest.importorskip("lightning")
-    import lightning.pytorch as pl
 
     from nanwatch.adapters.lightning import OverflowCallback
 
-    class Regressor(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.net = small_mlp()
-
-        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-            x, y = batch
-            self.net[2].factor = _factor(batch_idx)
-            return nn.functional.mse_loss(self.net(x), y)
-
-        def configure_optimizers(self) -> torch.optim.Optimizer:
-            return torch.optim.SGD(self.parameters(), lr=1e-4)
-
     trainer = lightning_trainer(20, [OverflowCallback(report_dir=tmp_path, **WINDOW)])
-    trainer.fit(Regressor(), torch.utils.data.DataLoader(_batches16(20), batch_size=None))
+    module = lightning_regressor(lambda params: torch.optim.SGD(params, lr=1e-4), _factor)
+    trainer.fit(module, torch.utils.data.DataLoader(_batches16(20), batch_size=None))
 
     reports = _spike_reports(tmp_path)
     assert list(reports) == [SPIKE_AT]
