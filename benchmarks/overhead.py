@@ -87,6 +87,11 @@ OPTIONS: dict[str, tuple[dict[str, Any], tuple[str, ...]]] = {
     # Spike warnings (issue 24): the loss (where the model hands it over) and the guard's gradient maximum judged
     # against windows of 50, on the device.
     "spike_window=50": ({"spike_window": 50}, ("train",)),
+    # The same in sentinel mode, to set beside the `sentinel` variant: it keeps two more micro-batches for a replay.
+    "sentinel, spike_window=50": (
+        {"mode": "sentinel", "watch_gradients": False, "trace_batch_nums": [], "spike_window": 50},
+        ("train",),
+    ),
 }
 
 

@@ -338,3 +338,28 @@ def test_max_frames_to_save_beyond_its_limit_is_a_config_error(value: int) -> No
     with pytest.raises(ConfigError, match=expected):
         nanwatch.watch(torch.nn.Linear(1, 1), max_frames_to_save=value)
     assert WatchConfig(max_frames_to_save=10_000).max_frames_to_save == 10_000  # the limit itself is allowed
+
+
+def test_a_rerun_records_the_whole_model_and_does_nothing_else() -> None:
+    """Sentinel mode's replays run under `for_rerun()`: every module of the replayed micro-batch recorded whatever the
+    run's schedule, and nothing that writes, warns, judges spikes, skips or guards checkpoints; the choice of modules
+    (include/exclude) is the run's own."""
+    config = WatchConfig(
+        mode="sentinel",
+        report_dir="reports",
+        spike_window=20,
+        on_detect="skip",
+        checkpoint_guard="quarantine",
+        watch_every_n_batches=4,
+        watch_first_batch=3,
+        watch_last_batch=50,
+        abort_after_batch_num=9,
+        exclude_modules=["lm_head"],
+    )
+    rerun = config.for_rerun(gradients=True)
+    assert (rerun.mode, rerun.watch_gradients, rerun.report_dir) == ("full", True, None)
+    assert (rerun.spike_window, rerun.on_detect, rerun.checkpoint_guard) == (None, "raise", "off")
+    assert (rerun.watch_every_n_batches, rerun.watch_first_batch, rerun.watch_last_batch) == (1, 0, None)
+    assert rerun.abort_after_batch_num is None
+    assert rerun.exclude_modules == ["lm_head"]
+    assert config.for_rerun(gradients=False).watch_gradients is False

@@ -164,9 +164,18 @@ class EngineContext(EngineState, Protocol):
         """A report of a detection a feature made from its own flags (the current micro-batch): the latest frames
         for context, then `section`."""
 
-    def rerun(self, run: Callable[[], Any], *, batch_number: int, phase: Phase, gradients: bool) -> Report | None:
+    def rerun(
+        self,
+        run: Callable[[], Any],
+        *,
+        batch_number: int,
+        phase: Phase,
+        gradients: bool,
+        frames: list[ResolvedFrame] | None = None,
+    ) -> Report | None:
         """Run `run()` (a forward, maybe a backward, of the model) again under a full watch of its own, this
-        engine's hooks out of the way; the full report of what it saw, or None when it stayed finite."""
+        engine's hooks out of the way; the full report of what it saw, or None when it stayed finite. `frames`, when
+        given, receives every frame the run recorded, read back."""
 
     def keep_as_context(self, frames: Iterable[Frame]) -> None:
         """Put frames into the ring, as earlier frames for later reports."""

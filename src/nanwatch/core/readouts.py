@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Generic, Literal, Protocol, TypeVar, runtime_checkable
 
+from nanwatch.core.frames import ResolvedFrame
 from nanwatch.core.scope import ROOT_NAME
 
 __all__ = [
@@ -22,10 +23,12 @@ __all__ = [
     "LAST_GOOD_CHECKPOINT",
     "LOSS_SCALE_HISTORY",
     "METRIC_PREFIX",
+    "SPIKE_REPLAY",
     "SUMMARY",
     "GradScalerLike",
     "LossScaleHistory",
     "Readout",
+    "ReplayedLevels",
     "ScaleReading",
     "ScaleRecord",
     "Summary",
@@ -236,3 +239,27 @@ LAST_GOOD_CHECKPOINT: Readout[Callable[[], tuple[str, int | None] | None]] = Rea
 # The largest gradient magnitude about to be applied by the optimizer step being checked (a 0-d device tensor, read
 # by no one unless a flag trips), or None outside such a check.
 GRADIENT_MAXIMUM: Readout[Callable[[], Any]] = Readout("gradient_maximum")
+
+
+@dataclass(frozen=True)
+class ReplayedLevels:
+    """Sentinel mode's answer to a spike: the spiking micro-batch's forward, replayed under a full watch, beside the
+    micro-batch before it replayed the same way (the same weights, so what differs is what the data did).
+
+    Attributes:
+        batch_number: the spiking micro-batch.
+        frames: its replayed frames (empty when it could not be replayed).
+        baseline_batch: the micro-batch replayed for comparison, or None.
+        baseline: its replayed frames.
+        why_not: what could not be replayed and why, or None.
+    """
+
+    batch_number: int
+    frames: list[ResolvedFrame] = field(default_factory=list)
+    baseline_batch: int | None = None
+    baseline: list[ResolvedFrame] = field(default_factory=list)
+    why_not: str | None = None
+
+
+# Sentinel mode (with spike_window): replays a micro-batch still kept, and the one before it, for a spike's report.
+SPIKE_REPLAY: Readout[Callable[[], Callable[[int], ReplayedLevels]]] = Readout("spike_replay")

@@ -41,6 +41,7 @@ from nanwatch.core.engine.recorder import hook_code, own_code
 from nanwatch.core.events import KEEP, Feature, Kept, OptimizerStage, Phase
 from nanwatch.core.features import features_for
 from nanwatch.core.formats.files import prepare_report_dir
+from nanwatch.core.frames import ResolvedFrame, resolve
 from nanwatch.core.gcpause import pause_collection, resume_collection
 from nanwatch.core.hooks import HookSet, named_unique_modules
 from nanwatch.core.log import get_logger, warn
@@ -362,9 +363,18 @@ class Watcher(Readings):
         self._recorder.pending.clear()
         warn(f"nanwatch stopped watching (the run goes on): {reason}")
 
-    def rerun(self, run: Callable[[], Any], *, batch_number: int, phase: Phase, gradients: bool) -> Report | None:
+    def rerun(
+        self,
+        run: Callable[[], Any],
+        *,
+        batch_number: int,
+        phase: Phase,
+        gradients: bool,
+        frames: list[ResolvedFrame] | None = None,
+    ) -> Report | None:
         """Run `run()` (a forward, maybe a backward, of this model) under a full watch of its own, with this
-        engine's hooks out of the way; the report of what it saw, or None when it stayed finite."""
+        engine's hooks out of the way; the report of what it saw, or None when it stayed finite. `frames`, when
+        given, receives every frame the run recorded, read back (a spike's replay compares them)."""
         inner = Watcher(self.model, self.config.for_rerun(gradients=gradients), rank=self.rank, world_size=1)
         inner._replaying = True  # world_size 1 above: nothing to agree on
         inner.load_state_dict({"batch_number": batch_number, "eval_batch_number": batch_number})
@@ -373,6 +383,8 @@ class Watcher(Readings):
             inner.attach()
             try:
                 run()
+                if frames is not None:
+                    frames.extend(resolve(inner._recorder.pending))
                 return inner.check()
             finally:
                 inner.close(check=False)

@@ -183,7 +183,8 @@ class WatchConfig(BaseModel):
         description="Spike warnings: judge the loss (where the adapter has it) and the largest gradient magnitude "
         "about to be applied against a rolling window of this many recent values; a spike is reported (a warning and "
         "report_dir/nanwatch-spike-rank{R}-batch{N}.txt) with the watched modules whose abs max jumped most against "
-        "their own recent level. None: off. Judged on the device, folded into the check's one host read.",
+        "their own recent level (in sentinel mode: the spiking micro-batch and the one before it replayed under a "
+        "full watch on the same weights). None: off. Judged on the device, folded into the check's one host read.",
     )
     spike_factor: float = Field(
         2.0,
@@ -362,13 +363,18 @@ class WatchConfig(BaseModel):
 
     def for_rerun(self, *, gradients: bool) -> WatchConfig:
         """The config of a rerun (sentinel mode's replay of a micro-batch that went non-finite): every module watched
-        in full, `gradients` recorded or not, and nothing that writes, traces, summarises or warns: the rerun only
-        finds where inf/nan began; the run's own report says the rest."""
+        in full, `gradients` recorded or not, and nothing that writes, traces, summarises, warns, judges spikes
+        or guards checkpoints: the rerun only records what the model computes; the run's own report says the rest."""
         return self.model_copy(
             update={
                 "mode": "full",
                 "watch_gradients": gradients,
                 "watch_eval": True,
+                # the replayed micro-batch is recorded whatever the run's schedule (the inner watch counts from it)
+                "watch_every_n_batches": 1,
+                "watch_first_batch": 0,
+                "watch_last_batch": None,
+                "abort_after_batch_num": None,
                 "trace_batch_nums": [],
                 "capture_on_detect": False,
                 "report_dir": None,
@@ -376,6 +382,9 @@ class WatchConfig(BaseModel):
                 "headroom_warn_fraction": None,
                 "target_dtype": None,
                 "count_underflow": False,
+                "spike_window": None,
+                "on_detect": "raise",
+                "checkpoint_guard": "off",
             }
         )
 

@@ -15,7 +15,7 @@ from nanwatch.core.engine.plugins import FeatureSet
 from nanwatch.core.engine.publisher import Publisher
 from nanwatch.core.engine.recorder import Recorder
 from nanwatch.core.events import Phase
-from nanwatch.core.frames import Frame
+from nanwatch.core.frames import Frame, ResolvedFrame
 from nanwatch.core.hooks import HookSet
 from nanwatch.core.readouts import Readout, Summary
 from nanwatch.core.report import Report, ReportSection
@@ -49,7 +49,15 @@ class Facade(Protocol):
     def disabled_reason(self) -> str | None: ...
     @property
     def summary_sink(self) -> Callable[[Summary], None] | None: ...
-    def rerun(self, run: Callable[[], Any], *, batch_number: int, phase: Phase, gradients: bool) -> Report | None: ...
+    def rerun(
+        self,
+        run: Callable[[], Any],
+        *,
+        batch_number: int,
+        phase: Phase,
+        gradients: bool,
+        frames: list[ResolvedFrame] | None = None,
+    ) -> Report | None: ...
     def disable(self, reason: str) -> None: ...
 
 
@@ -121,8 +129,16 @@ class EngineView:
     def detection_report(self, section: ReportSection, module_name: str | None) -> Report:
         return self._checker.detection_report(section, module_name)
 
-    def rerun(self, run: Callable[[], Any], *, batch_number: int, phase: Phase, gradients: bool) -> Report | None:
-        return self._facade.rerun(run, batch_number=batch_number, phase=phase, gradients=gradients)
+    def rerun(
+        self,
+        run: Callable[[], Any],
+        *,
+        batch_number: int,
+        phase: Phase,
+        gradients: bool,
+        frames: list[ResolvedFrame] | None = None,
+    ) -> Report | None:
+        return self._facade.rerun(run, batch_number=batch_number, phase=phase, gradients=gradients, frames=frames)
 
     def report_for(self, frames: Sequence[Frame]) -> Report | None:
         checker = self._checker

@@ -11,8 +11,11 @@ on the signal's device: the judgement is a flag folded into the check's one host
 there too (a spike enters it as the mean, so one spike does not hide the next). Nothing is read back unless a flag
 trips. Then the report says which value spiked against which window, and which watched modules moved: each module's
 abs max in the checked frames (forward outputs; backward output gradients with `watch_gradients`) against the median
-of its own over the last `HISTORY` checks, largest jumps first. It is logged (a warning) and written to
-`report_dir/nanwatch-spike-rank{R}-batch{N}.txt`, and the run goes on: a spike is not inf/nan.
+of its own over the last `HISTORY` checks, largest jumps first; the first (in recording order) to grow by
+`spike_factor` or more leads. Sentinel mode records no module: there the sentinel replays the spiking micro-batch and
+the one before it under a full watch, on the same weights (`SPIKE_REPLAY`), and the modules that moved are those that
+moved with the data. It is logged (a warning) and written to `report_dir/nanwatch-spike-rank{R}-batch{N}.txt`, and
+the run goes on: a spike is not inf/nan.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import json
 import math
 import statistics
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,7 +33,7 @@ import torch
 from nanwatch.core.events import EngineContext, Feature
 from nanwatch.core.formats.files import atomic_write
 from nanwatch.core.frames import Direction, Frame, ResolvedFrame, Role, counter_name, resolve
-from nanwatch.core.readouts import GRADIENT_MAXIMUM
+from nanwatch.core.readouts import GRADIENT_MAXIMUM, SPIKE_REPLAY, ReplayedLevels
 from nanwatch.core.report import Report
 
 __all__ = ["HISTORY", "SpikeMonitor", "Window"]
@@ -80,6 +83,7 @@ class SpikeMonitor(Feature):
 
     def __init__(self, window: int, factor: float, zscore: float) -> None:
         self._windows = {signal: Window(window, factor, zscore) for signal in ("loss", "gradients")}
+        self._factor = factor  # a module moved when its output grew by at least this much (as a spike must)
         self._loss: torch.Tensor | None = None
         self._loss_batch = 0
         self._flags: list[tuple[str, torch.Tensor]] = []
@@ -142,8 +146,14 @@ class SpikeMonitor(Feature):
             )
             signals.append({"signal": signal, "value": value, "mean": mean, "std": std})
         data["signals"] = signals
-        moved = self._modules_that_moved(pending, batch)
-        first = _first_to_move(moved)
+        compared = f"abs max now against the median of the last {HISTORY} checks"
+        if ctx.config.mode == "sentinel":  # no frames of its own: the micro-batch replayed under a full watch
+            moved, notes, data["replay"] = _moved_in_replay(ctx.read(SPIKE_REPLAY), batch, self._factor)
+            lines += notes
+            compared = f"output abs max against micro-batch {data['replay'].get('compared_with')}, same weights"
+        else:
+            moved = self._modules_that_moved(pending, batch)
+        first = _first_to_move(moved, self._factor)
         data["first_moved"] = None if first is None else {"module": first[0], "kind": first[1]}
         if first is not None:
             name, kind, now, before = first
@@ -152,12 +162,10 @@ class SpikeMonitor(Feature):
             )
         moved = sorted(moved, key=_jump, reverse=True)
         if moved:
-            lines.append(f"modules that moved most (abs max now against the median of the last {HISTORY} checks):")
+            lines.append(f"modules that moved most ({compared}):")
             for name, kind, now, before in moved[:MAX_MODULES]:
                 ratio = now / before if before > 0 else math.inf
                 lines.append(f"  {name} ({kind}): {now:.2e} against {before:.2e} (x{ratio:.3g})")
-        elif ctx.config.mode == "sentinel":
-            lines.append("(sentinel mode records no module: mode='full' names the modules that moved)")
         data["modules"] = [
             {"module": name, "kind": kind, "abs_max": now, "recent": before} for name, kind, now, before in moved
         ]
@@ -196,17 +204,53 @@ class SpikeMonitor(Feature):
         return moved
 
 
+def _moved_in_replay(
+    replay: Callable[[int], ReplayedLevels] | None, batch: int, factor: float
+) -> tuple[list[tuple[str, str, float, float]], list[str], dict[str, Any]]:
+    """Sentinel mode: the modules whose output moved between the spiking micro-batch and the one before it, both
+    replayed under a full watch on the same weights (core/features/sentinel/spike_replay.py); the report's lines
+    saying what was compared (or why nothing was); the replay's part of the JSON."""
+    if replay is None:  # no sentinel to ask (it stopped watching)
+        why = "not replayed: sentinel mode is not watching"
+        return [], [f"({why}; mode='full' names the modules that moved)"], {"why_not": why}
+    replayed = replay(batch)
+    data: dict[str, Any] = {"batch_number": replayed.batch_number, "compared_with": replayed.baseline_batch}
+    if replayed.why_not is not None:
+        data["why_not"] = replayed.why_not
+        return [], [f"({replayed.why_not}; mode='full' names the modules that moved)"], data
+    now, before = _levels(replayed.frames), _levels(replayed.baseline)
+    moved = [
+        (name, kind, level, before[(name, kind)])
+        for (name, kind), level in now.items()
+        if (name, kind) in before and math.isfinite(level) and level > before[(name, kind)]
+    ]
+    lines = [
+        f"sentinel mode: micro-batch {replayed.batch_number} replayed under a full watch, against micro-batch "
+        f"{replayed.baseline_batch} replayed on the same weights (forward outputs)"
+    ]
+    data["moved_with_the_data"] = _first_to_move(moved, factor) is not None
+    if not data["moved_with_the_data"]:
+        # On the same weights, no output outgrew its level on the earlier data: the forward did not do it.
+        lines.append(
+            f"no module's output grew x{factor:g} or more with this micro-batch's data: the spike came with the "
+            "weights (the optimizer steps since the earlier micro-batch ran) or from outside the forward (the "
+            "targets, the loss)"
+        )
+    return moved, lines, data
+
+
 def _jump(item: tuple[str, str, float, float]) -> float:
     return item[2] / item[3] if item[3] > 0 else math.inf
 
 
-def _first_to_move(moved: list[tuple[str, str, float, float]]) -> tuple[str, str, float, float] | None:
+def _first_to_move(moved: list[tuple[str, str, float, float]], factor: float) -> tuple[str, str, float, float] | None:
     """The first module (in recording order: forward, inner modules before the ones that call them) whose jump is of
-    the order of the largest (at least its square root): where the spike began, as far as the frames show."""
+    the order of the largest (at least its square root): where the spike began, as far as the frames show. None when
+    no module grew by `factor` (spike_factor) or more: jitter names no module."""
     if not moved:
         return None
     largest = max(_jump(item) for item in moved)
-    if largest <= 1.0:
+    if largest < factor:
         return None
     bar = math.sqrt(largest) if math.isfinite(largest) else math.inf
     for item in moved:

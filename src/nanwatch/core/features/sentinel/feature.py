@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from collections.abc import Mapping, Sequence
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -25,6 +26,7 @@ from nanwatch.core.features.sentinel.kept import (
 )
 from nanwatch.core.features.sentinel.outputs import Seen, float_leaves, holds_non_finite, look_at, unreadable
 from nanwatch.core.features.sentinel.replay import replay_window, same_numbers
+from nanwatch.core.features.sentinel.spike_replay import KEPT_FOR_SPIKES, replay_levels
 from nanwatch.core.features.sentinel.verdicts import (
     born_in_the_loss,
     not_replayable,
@@ -36,6 +38,7 @@ from nanwatch.core.features.sentinel.verdicts import (
 from nanwatch.core.frames import Frame, Role
 from nanwatch.core.hooks import reshards_after_forward
 from nanwatch.core.log import warn
+from nanwatch.core.readouts import SPIKE_REPLAY, Readout, ReplayedLevels
 from nanwatch.core.report import Report, ReportSection
 from nanwatch.core.runstate import autocast_state, capture_rng_states
 
@@ -51,6 +54,9 @@ class SentinelFeature(Feature):
         self._active = False
         self._depth = 0  # forward calls open among the hooked modules: only the outermost one is kept
         self._window: list[MicroBatch] = []
+        # With spike_window: the last micro-batches whose step was applied, for a spike's replay (spike_replay.py).
+        self._recent: deque[MicroBatch] = deque(maxlen=KEPT_FOR_SPIKES)
+        self._keep_recent = False
         self._seen: list[Seen] = []
         self._screened: list[Seen] = []
         self._buffers: list[tuple[str, torch.Tensor]] = []
@@ -67,6 +73,7 @@ class SentinelFeature(Feature):
         self._buffers = list(ctx.model.named_buffers())
         self._sharded = any(_shards_parameters(module) for module in ctx.model.modules())
         self._generators = own_generators.held_by(ctx.model)
+        self._keep_recent = ctx.config.spike_window is not None
         if ctx.entry is not ctx.model:  # a wrapper (DDP, torch.compile): hooked outside it, replayed on the model
             hooked = [(ctx.entry, ctx.model)]
         elif any(module is ctx.model for _, module in modules):  # the model the loop calls
@@ -86,7 +93,7 @@ class SentinelFeature(Feature):
         buffers and of small inputs (sentinel_copy_inputs), and the gradients w.r.t. the model's output."""
         own = {name: buffer for name, buffer in self._buffers}
         total = 0
-        for micro in self._window:
+        for micro in [*self._recent, *self._window]:
             total += sum(copy.nbytes for name, copy in micro.buffers.items() if copy is not own.get(name))
             for call in micro.calls:
                 total += sum(grad.nbytes for grad in call.output_grads.values())
@@ -96,6 +103,7 @@ class SentinelFeature(Feature):
 
     def close(self, ctx: EngineContext) -> None:
         self._window, self._seen, self._screened, self._buffers = [], [], [], []
+        self._recent.clear()
         self._as_first_began, self._referenced = None, {}
 
     # --------------------------------------------------------------------------------------------- keeping
@@ -196,13 +204,35 @@ class SentinelFeature(Feature):
         self, ctx: EngineContext, stage: OptimizerStage, optimizer: torch.optim.Optimizer | None
     ) -> None:
         if stage == "after":  # the window's gradients were applied: a new one begins
-            self._window = []
+            self._retire()
 
     def on_batch_end(self, ctx: EngineContext, phase: Phase, batch_number: int) -> None:
         self._screened = []  # checked: the evaluation outputs kept for it go
         # With no optimizer guarded, no step will look at this micro-batch's gradients again: it is done with.
         if phase == "train" and not ctx.guarded:
-            self._window = []
+            self._retire()
+
+    def _retire(self) -> None:
+        """The window is done with; with spike_window its last micro-batches stay (`_recent`) for a spike's replay,
+        without the gradients kept for their outputs (only a replay of inf/nan in a window still open reads them)."""
+        if self._keep_recent:
+            for micro in self._window:
+                for call in micro.calls:
+                    call.output_grads = {}
+            self._recent.extend(self._window)
+        self._window = []
+
+    # ------------------------------------------------------------------------------------------ spikes
+
+    def readouts(self) -> Mapping[Readout[Any], Callable[[], Any]]:
+        return {SPIKE_REPLAY: lambda: self._replay_levels}
+
+    def _replay_levels(self, batch_number: int) -> ReplayedLevels:
+        ctx = self._ctx
+        if ctx is None or not self._active:
+            return ReplayedLevels(batch_number, why_not="not replayed: sentinel mode is not watching")
+        kept = [*self._recent, *self._window]
+        return replay_levels(ctx, kept, batch_number, sharded=self._sharded, generators=self._generators)
 
     # ------------------------------------------------------------------------------------------- checking
 
