@@ -1,0 +1,186 @@
+"""The floor under issue 21's hot-path target: what the cheapest forward hooks cost on its dispatch-bound step.
+
+Issue 21 asks that watching the dispatch-bound training step (1,000 `Linear(4, 4)` + `Tanh` pairs, batch 2, plain
+SGD) cost at most 1.3x the unwatched step and 10 us per module call. This benchmark runs that step with hand-written
+hooks that do less and less of what watching needs, beside nanwatch's own `watch()`, in paired rounds (every variant
+once per round, in an order that rotates; each attached for one untimed step, then one timed), and prints each one's
+step time, its ratio to the unwatched step (the median of the per-round ratios) and the time it adds per module call:
+
+- `noop hook`: a forward hook that returns at once: what torch's hook dispatch alone costs (`_call_impl` leaves its
+  fast path as soon as a module has a hook);
+- `keep reference`: the hook appends `(output, output._version)` to a list, and the step ends with one bulk
+  finiteness check (the outputs stacked by shape, one reduction each, one host read): the least a watcher that
+  detects inf/nan in module outputs can do. No parameters, no labels, no frames, and wrong after an in-place change
+  (`ReLU(inplace=True)`), which the version only detects;
+- `copy output`: the hook copies each output into a row of a preallocated buffer (autograd off around it), reduced in
+  bulk at the end: what in-place safety costs on top;
+- `nanwatch watch`: `nanwatch.watch(model, optimizer=optimizer)` and `handle.step()`.
+
+    python benchmarks/hook_floor.py --rounds 40
+
+Nothing here is asserted: the figures are what the machine does (issue 21's closing note quotes them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+import nanwatch
+
+PAIRS, BATCH = 1000, 2
+CALLS = 2 * PAIRS + 1  # every Linear and Tanh, and the Sequential around them
+
+
+class Variant:
+    """One way of hooking the model: `attach` puts its hooks on, `end_step` runs its end-of-step work."""
+
+    name = ""
+
+    def attach(self, model: nn.Sequential, optimizer: torch.optim.Optimizer) -> None:
+        self.handles = [module.register_forward_hook(self.hook, with_kwargs=True) for module in model.modules()]
+
+    def hook(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+        return None
+
+    def end_step(self) -> None:
+        return None
+
+    def detach(self) -> None:
+        for handle in getattr(self, "handles", []):
+            handle.remove()
+
+
+class NoHooks(Variant):
+    name = "none"
+
+    def attach(self, model: nn.Sequential, optimizer: torch.optim.Optimizer) -> None:
+        self.handles = []
+
+
+class NoopHook(Variant):
+    name = "noop hook"
+
+
+def _finite_in_bulk(tensors: list[torch.Tensor]) -> bool:
+    """One reduction per shape, one host read: are all of `tensors` finite?"""
+    by_shape: dict[tuple[torch.Size, torch.dtype], list[torch.Tensor]] = {}
+    for tensor in tensors:
+        by_shape.setdefault((tensor.shape, tensor.dtype), []).append(tensor)
+    with torch.no_grad():
+        maxima = [torch.stack(group).abs().amax().reshape(1) for group in by_shape.values()]
+        return bool(torch.isfinite(torch.cat(maxima)).all()) if maxima else True
+
+
+class KeepReference(Variant):
+    name = "keep reference"
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[torch.Tensor, int]] = []
+
+    def hook(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+        self.seen.append((output, output._version))
+
+    def end_step(self) -> None:
+        if any(output._version != version for output, version in self.seen):
+            raise RuntimeError("an output changed in place after its call: what this hook kept is wrong")
+        if not _finite_in_bulk([output for output, _ in self.seen]):
+            raise FloatingPointError("inf/nan")
+        self.seen.clear()
+
+
+class CopyOutput(Variant):
+    name = "copy output"
+
+    def __init__(self) -> None:
+        self.rows = torch.empty(CALLS, BATCH, 4).unbind(0)
+        self.count = 0
+
+    def hook(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+        torch._C._set_grad_enabled(False)
+        self.rows[self.count].copy_(output)
+        torch._C._set_grad_enabled(True)
+        self.count += 1
+
+    def end_step(self) -> None:
+        if not _finite_in_bulk(list(self.rows[: self.count])):
+            raise FloatingPointError("inf/nan")
+        self.count = 0
+
+
+class Watch(Variant):
+    name = "nanwatch watch"
+
+    def attach(self, model: nn.Sequential, optimizer: torch.optim.Optimizer) -> None:
+        self.handle = nanwatch.watch(model, optimizer=optimizer)
+
+    def end_step(self) -> None:
+        self.handle.step()
+
+    def detach(self) -> None:
+        self.handle.close()
+
+
+VARIANTS: list[Callable[[], Variant]] = [NoHooks, NoopHook, KeepReference, CopyOutput, Watch]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=40, help="paired rounds (every variant once per round)")
+    parser.add_argument("--warmup", type=int, default=5, help="steps of each variant before timing")
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    if args.rounds < 1 or args.warmup < 0:
+        parser.error(f"--rounds must be positive and --warmup not negative, got {args.rounds}, {args.warmup}")
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(PAIRS):
+        layers += [nn.Linear(4, 4), nn.Tanh()]
+    model = nn.Sequential(*layers)
+    inputs = torch.randn(BATCH, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-5, foreach=True)
+    variants = [make() for make in VARIANTS]
+
+    def step(variant: Variant) -> float:
+        start = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        model(inputs).square().mean().backward()
+        optimizer.step()
+        variant.end_step()
+        return time.perf_counter() - start
+
+    times: dict[str, list[float]] = {variant.name: [] for variant in variants}
+    for round_index in range(args.warmup + args.rounds):
+        shift = round_index % len(variants)
+        for variant in variants[shift:] + variants[:shift]:
+            variant.attach(model, optimizer)
+            try:
+                step(variant)  # untimed: a fresh attachment's first step sets things up
+                seconds = step(variant)
+            finally:
+                variant.detach()
+            if round_index >= args.warmup:
+                times[variant.name].append(seconds)
+
+    none = times[NoHooks.name]
+    print(
+        f"dispatch-bound step: {PAIRS:,} x (Linear(4, 4), Tanh), {CALLS:,} module calls, batch {BATCH}, SGD(foreach); "
+        f"torch {torch.__version__}, {args.threads} threads; {args.rounds} paired rounds"
+    )
+    print(f"{'variant':<16} {'ms/step':>8} {'x none':>7} {'us/call':>8}")
+    for variant in variants:
+        mine = times[variant.name]
+        ratio = statistics.median(a / b for a, b in zip(mine, none, strict=True))
+        added = statistics.median(a - b for a, b in zip(mine, none, strict=True)) / CALLS * 1e6
+        print(f"{variant.name:<16} {statistics.median(mine) * 1e3:8.1f} {ratio:7.3f} {added:8.1f}")
+
+
+if __name__ == "__main__":
+    main()
