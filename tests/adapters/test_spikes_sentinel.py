@@ -6,6 +6,7 @@ only the `boost` module uses it); one comes with the weights instead, and one ca
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,9 @@ from tests.adapters.long_runs import FRAMEWORK_NOISE, batches, lightning_trainer
 from torch import nn
 
 from nanwatch import watch
+
+SCRIPTS = Path(__file__).parent / "scripts"
+sys.path.insert(0, str(SCRIPTS))
 
 SPIKE_AT = 14
 STEPS = 18
@@ -134,6 +138,36 @@ def test_plain_sentinel_a_refilled_input_buffer_is_not_replayed_as_if_it_were_th
     assert "changed; mode='full' names the modules that moved)" in text
 
 
+def test_plain_sentinel_a_replay_that_fails_still_reports_the_spike_and_the_run_goes_on(tmp_path: Path) -> None:
+    """A forward that only works with autograd on (the replay runs it forward only, with autograd off): the replay's
+    failure is named in the spike's report, and neither it nor the spike stops the run."""
+
+    class NeedsAutograd(Boosted):
+        def forward(self, x: torch.Tensor, boost: torch.Tensor) -> torch.Tensor:
+            if not torch.is_grad_enabled():
+                raise RuntimeError("this model trains only")
+            return super().forward(x, boost)
+
+    model = NeedsAutograd()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
+    steps = 0
+    with watch(model, optimizer=optimizer, report_dir=tmp_path, **SENTINEL) as handle:
+        for x, y, boost in _data():
+            optimizer.zero_grad()
+            handle.watch_loss(nn.functional.mse_loss(model(x, boost), y)).backward()
+            optimizer.step()
+            handle.step()
+            steps += 1
+
+    assert steps == STEPS
+    report = _spike_report(tmp_path)
+    assert report["first_moved"] is None
+    assert report["modules"] == []
+    failed = f"the replay of micro-batch {SPIKE_AT} failed: RuntimeError('this model trains only')"
+    assert failed in report["replay"]["why_not"]
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
 # ---------------------------------------------------------------------------------------------- Lightning
 
 
@@ -241,3 +275,32 @@ def test_hf_trainer_sentinel_replays_the_spike_and_names_the_module(tmp_path: Pa
     # The Trainer's loss is computed inside the model: the gradients carry the spike here.
     assert "gradients" in {signal["signal"] for signal in report["signals"]}
     _assert_named_by_replay(report, "net.")
+
+
+# ------------------------------------------------------------------------------------------- two DDP ranks
+
+
+@pytest.mark.multiprocess
+def test_two_ddp_ranks_each_replay_their_own_micro_batch_after_a_gradient_spike(tmp_path: Path) -> None:
+    """Only rank 1's micro-batch carries the x100 data; the all-reduced gradients spike on both ranks. Each replays its
+    own micro-batch: rank 1 names `boost`, rank 0 finds nothing moved with its data and says where else it can come
+    from. No replay runs a collective: both ranks train on to the end, with equal weights."""
+    from torchrun_launch import run_torchrun
+
+    result = run_torchrun("spike_ddp_run.py", "--out", str(tmp_path), "--spike-at", str(SPIKE_AT))
+
+    assert result.returncode == 0, result.stderr[-3000:]
+    outcomes = [json.loads((tmp_path / f"outcome-rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert [(outcome["error"], outcome["steps"]) for outcome in outcomes] == [(None, 16), (None, 16)]
+    assert outcomes[0]["weights"] == outcomes[1]["weights"]
+    reports = tmp_path / "reports"
+    on_rank = {
+        rank: json.loads((reports / f"nanwatch-spike-rank{rank}-batch{SPIKE_AT}.json").read_text()) for rank in (0, 1)
+    }
+    assert {signal["signal"] for signal in on_rank[1]["signals"]} == {"loss", "gradients"}
+    assert {signal["signal"] for signal in on_rank[0]["signals"]} == {"gradients"}
+    _assert_named_by_replay(on_rank[1])
+    assert on_rank[0]["replay"]["moved_with_the_data"] is False
+    assert on_rank[0]["first_moved"] is None
+    text = (reports / f"nanwatch-spike-rank0-batch{SPIKE_AT}.txt").read_text(encoding="utf-8")
+    assert "another rank's micro-batch" in text

@@ -148,7 +148,9 @@ class SpikeMonitor(Feature):
         data["signals"] = signals
         compared = f"abs max now against the median of the last {HISTORY} checks"
         if ctx.config.mode == "sentinel":  # no frames of its own: the micro-batch replayed under a full watch
-            moved, notes, data["replay"] = _moved_in_replay(ctx.read(SPIKE_REPLAY), batch, self._factor)
+            moved, notes, data["replay"] = _moved_in_replay(
+                ctx.read(SPIKE_REPLAY), batch, self._factor, distributed=ctx.world_size > 1
+            )
             lines += notes
             compared = f"output abs max against micro-batch {data['replay'].get('compared_with')}, same weights"
         else:
@@ -205,7 +207,7 @@ class SpikeMonitor(Feature):
 
 
 def _moved_in_replay(
-    replay: Callable[[int], ReplayedLevels] | None, batch: int, factor: float
+    replay: Callable[[int], ReplayedLevels] | None, batch: int, factor: float, *, distributed: bool
 ) -> tuple[list[tuple[str, str, float, float]], list[str], dict[str, Any]]:
     """Sentinel mode: the modules whose output moved between the spiking micro-batch and the one before it, both
     replayed under a full watch on the same weights (core/features/sentinel/spike_replay.py); the report's lines
@@ -231,10 +233,11 @@ def _moved_in_replay(
     data["moved_with_the_data"] = _first_to_move(moved, factor) is not None
     if not data["moved_with_the_data"]:
         # On the same weights, no output outgrew its level on the earlier data: the forward did not do it.
+        elsewhere = "; for the gradients, or from another rank's micro-batch (averaged in)" if distributed else ""
         lines.append(
             f"no module's output grew x{factor:g} or more with this micro-batch's data: the spike came with the "
             "weights (the optimizer steps since the earlier micro-batch ran) or from outside the forward (the "
-            "targets, the loss)"
+            f"targets, the loss){elsewhere}"
         )
     return moved, lines, data
 

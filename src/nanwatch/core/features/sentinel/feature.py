@@ -89,8 +89,9 @@ class SentinelFeature(Feature):
         self._active = False
 
     def held_bytes(self) -> int:
-        """Memory this feature keeps alive that the run would otherwise free, over the window: the copies of changing
-        buffers and of small inputs (sentinel_copy_inputs), and the gradients w.r.t. the model's output."""
+        """Memory this feature keeps alive that the run would otherwise free, over the window (and the micro-batches
+        kept for a spike's replay): the copies of changing buffers and of small inputs (sentinel_copy_inputs), and
+        the gradients w.r.t. the model's output."""
         own = {name: buffer for name, buffer in self._buffers}
         total = 0
         for micro in [*self._recent, *self._window]:
