@@ -17,6 +17,7 @@ from nanwatch.core.stats.compiled import frame_key, record_call
 from nanwatch.core.watcher import Watcher
 
 __all__ = [
+    "deferred_calls",
     "fail_internally",
     "headroom",
     "held_frame_counts",
@@ -44,6 +45,12 @@ def held_frame_counts(watcher: Watcher) -> tuple[int, int, int]:
     summary = watcher.feature(SummaryFeature)
     assert summary is not None
     return len(watcher._recorder.pending), len(watcher._checker.ring), len(summary._frames)
+
+
+def deferred_calls(watcher: Watcher) -> int:
+    """How many calls of the micro-batch in progress were deferred (engine/deferral.py), read before anything reads
+    the pending frames (which makes their frames)."""
+    return watcher._recorder._deferral.count
 
 
 def use_board(watcher: Watcher, board: DetectionBoard) -> None:

@@ -360,7 +360,7 @@ class Watcher(Readings):
         self._disabled_reason = reason
         self._recorder.recording = self._recorder.tracing = False
         resume_collection()
-        self._recorder.pending.clear()
+        self._recorder.drop_pending()
         warn(f"nanwatch stopped watching (the run goes on): {reason}")
 
     def rerun(

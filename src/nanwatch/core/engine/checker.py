@@ -91,6 +91,7 @@ class Checker:
         """Look at the frames recorded since the last check (one host read per device); a report if any holds
         inf/nan. Clean frames move into the ring."""
         pending = self._recorder.pending
+        self._recorder.judge_probes()
         if pending and not self.batch_recorded:
             self.batch_recorded = any(frame.module_name != "(loss)" for frame in pending)
         non_finite, tripped = self.screen(pending, features=True)
@@ -124,7 +125,22 @@ class Checker:
 
     def screen(self, frames: Sequence[Frame], *, features: bool) -> tuple[bool, list[Feature]]:
         """Whether any float abs max in `frames` is inf/nan, and which features' flags tripped: one read per device."""
-        maxima = stack_maxima(entry.measurement for frame in frames for entry in frame.entries if entry.measurement)
+        settled = self._recorder.settled if frames is self._recorder.pending else None
+        if settled is not None and settled.frames:
+            # The frames made from deferred calls: their outputs' stacks whole, their parameters and inputs once.
+            made = settled.frames
+            measurements = [
+                entry.measurement
+                for frame in frames
+                if id(frame) not in made
+                for entry in frame.entries
+                if entry.measurement
+            ]
+            measurements += settled.parameters
+            measurements += settled.inputs
+            maxima = stack_maxima(measurements, settled.stacks)
+        else:
+            maxima = stack_maxima(entry.measurement for frame in frames for entry in frame.entries if entry.measurement)
         flags: list[tuple[torch.Tensor, Feature | None]] = [(torch.isfinite(s).all(), None) for s in maxima.values()]
         for feature in self._features if features else ():
             flags += [(flag, feature) for flag in feature.screen(self._ctx, frames, maxima)]

@@ -22,7 +22,7 @@ class ParameterLines:
     fingerprints, not a lookup per parameter, and the calls of a batch share the line objects (fewer objects for the
     garbage collector to walk)."""
 
-    __slots__ = ("batch", "entries", "slots", "named")
+    __slots__ = ("batch", "entries", "slots", "named", "remade")
 
     def __init__(self) -> None:
         self.batch: TrackedBatch | None = None  # the batch whose measurements `entries` hold
@@ -31,6 +31,8 @@ class ParameterLines:
         # until made, or when not every parameter is tracked.
         self.slots: list[tuple[torch.Tensor | None, int]] | None = None
         self.named: list[tuple[str, int]] = []
+        # A parameter was found changed or replaced since its batch measurement (lines made again, `_make`).
+        self.remade = False
 
     def lines(self, params: Mapping[str, torch.Tensor | None], cache: StatsCache) -> list[Entry]:
         slots = self.slots
@@ -43,6 +45,7 @@ class ParameterLines:
                     if param is not known or (
                         param is not None and (param._version != versions[index] or param.data_ptr() != pointers[index])
                     ):
+                        self.remade = True
                         return self._make(params, cache)
                 if self.batch is not batch:  # the module's first call of this batch
                     measurements = batch.measurements
@@ -50,6 +53,12 @@ class ParameterLines:
                     self.batch = batch
                 return self.entries.copy()
         return self._make(params, cache)
+
+    @property
+    def stable(self) -> bool:
+        """Every parameter is tracked, and none was found changed since its batch measurement: what deferring a call
+        needs (core/engine/recorder.py checks a deferred module's parameters at its first call of a batch only)."""
+        return self.slots is not None and not self.remade
 
     def _make(self, params: Mapping[str, torch.Tensor | None], cache: StatsCache) -> list[Entry]:
         entries: list[Entry] = []

@@ -4,6 +4,10 @@ One closure per module, with no per-feature dispatch inside it (a feature that n
 its own). Every frame, from a hook, a compiled graph, a feature (backward frames) or the loss, joins the pending
 frames through one step, `append`: traced if the batch is traced, and checked early if a loop that never ends its
 batches lets them pile up.
+
+The common call (one tensor in, one small floating-point tensor out, no keywords) is deferred once its module has
+shown that nothing changes its outputs in place after the call: its frame is made at the check (core/engine/
+deferral.py).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from nanwatch.core.compiler import (
     with_compiled_code,
 )
 from nanwatch.core.engine.counters import Counters
+from nanwatch.core.engine.deferral import Deferral, Settled, Site, deferrable
 from nanwatch.core.engine.parameter_lines import ParameterLines
 from nanwatch.core.frames import Direction, Entry, Frame, Role
 from nanwatch.core.hooks import HookSet, module_class_name, reshards_after_forward
@@ -87,7 +92,8 @@ class Recorder:
         overflow: Callable[[], None],
         disable: Callable[[str], None],
     ) -> None:
-        self.pending: list[Frame] = []
+        self._pending: list[Any] = []  # frames, and deferred calls (tuples) where their frames will go
+        self._deferral = Deferral(counters, cache)
         self.recording = True  # False in an unwatched batch or phase, or once watching is disabled: hooks return
         self.tracing = False
         self.hooked = False  # hooks were put on modules once (full mode), whether or not they are still there
@@ -102,12 +108,34 @@ class Recorder:
         self.sink = Sink(self._take_compiled)
         self._outside: list[Callable[[], Any]] = []  # adapter hooks run from inside a graph (`outside_graph`)
 
+    @property
+    def pending(self) -> list[Frame]:
+        """The frames recorded since the last check, in the order of the calls (deferred ones made now)."""
+        if self._deferral.count:
+            self._deferral.settle(self._pending)
+        return self._pending
+
+    @pending.setter
+    def pending(self, frames: list[Frame]) -> None:
+        self._pending = frames
+        self._deferral.forget()
+
+    @property
+    def settled(self) -> Settled:
+        """What the pending frames made from deferred calls hold, for the check's screen."""
+        return self._deferral.settled
+
+    def drop_pending(self) -> None:
+        """Forget what is pending without reading it (watching stops, or the watch ends)."""
+        self._pending = []
+        self._deferral.forget(probes=True)
+
     def append(
         self, frame: Frame, module: torch.nn.Module | None, args: tuple[Any, ...] = (), output: Any = None
     ) -> None:
         """The one way a frame joins the pending frames. A frame of no module (the loss, `Watcher.watch_loss`) is not
         traced: a trace shows module calls."""
-        pending = self.pending
+        pending = self._pending
         pending.append(frame)
         if self.tracing and module is not None:
             self._trace(frame, module, args, output)
@@ -116,7 +144,9 @@ class Recorder:
 
     def take_pending(self) -> list[Frame]:
         """The pending frames, handed over to a check (none are pending after)."""
-        pending, self.pending = self.pending, []
+        pending = self.pending
+        self._pending = []
+        self._deferral.forget()
         return pending
 
     def frame(self, module_name: str, class_name: str, entries: list[Entry], direction: Direction = _FORWARD) -> Frame:
@@ -161,6 +191,7 @@ class Recorder:
         prefix, kernels, record = frame_key(self.sink.token, name, class_name), self._cache.kernels, self._record
         show_recomputes = self._show_recomputes
         known = ParameterLines()  # this module's parameter lines, made once per batch (`_record`)
+        site, deferral = Site(), self._deferral
 
         def forward_hook(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
             if not self.recording:
@@ -173,12 +204,22 @@ class Recorder:
             # A recompute of activation checkpointing (during backward) repeats a call already recorded, not a new
             # one: it is part of the backward story, shown with it (watch_gradients) as a frame marked `(recompute)`.
             direction = _FORWARD
-            if _graph_task_id() != -1:  # `recomputing()`, asked here without a second `_is_compiling()`
-                if not show_recomputes:
-                    return
-                direction = _RECOMPUTE
             try:
-                record(name, class_name, module, args, kwargs, output, known, direction)
+                if _graph_task_id() != -1:  # `recomputing()`, asked here without a second `_is_compiling()`
+                    if not show_recomputes:
+                        return
+                    direction = _RECOMPUTE
+                elif (
+                    site.defer
+                    and not kwargs
+                    and len(args) == 1
+                    and not self.tracing
+                    and deferral.defer(self._pending, site, name, class_name, module, args[0], output, known)
+                ):
+                    if len(self._pending) > MAX_PENDING_FRAMES:
+                        self._overflow()
+                    return
+                record(name, class_name, module, args, kwargs, output, known, direction, site)
             except Exception as error:  # our bookkeeping must never kill a healthy run
                 self._disable(f"recording {name or type(module).__name__} failed: {error!r}")
 
@@ -194,6 +235,7 @@ class Recorder:
         output: Any,
         known: ParameterLines,
         direction: Direction,
+        site: Site,
     ) -> None:
         # Runs after every module's forward, right after heavy kernels have flushed the CPU caches, where each
         # Python operation costs several times what it costs in isolation: keep the work per call minimal. No
@@ -218,6 +260,24 @@ class Recorder:
         phase = counters.phase
         batch = counters.batch_number if phase == "train" else counters.eval_batch_number
         self.append(Frame(name, class_name, batch, phase, entries, direction), module, args, output)
+        if not site.probed and direction is _FORWARD:
+            self._probe(site, args, kwargs, output, stable=not params or known.stable)
+
+    def _probe(self, site: Site, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any, *, stable: bool) -> None:
+        """A call of a module's first recorded batch: noted if its module's later calls could be deferred
+        (core/engine/deferral.py)."""
+        if stable and not self._cache.kernels and deferrable(args, kwargs, output):
+            self._deferral.probes.append((site, output, output._version))
+        else:  # a call that could not be deferred, or parameters measured apart at it: never deferred
+            site.probed = True
+
+    def judge_probes(self) -> None:
+        """At a check: the modules whose probed outputs nothing changed in place since are deferred from now on."""
+        self._deferral.judge_probes()
+
+    def settle(self) -> None:
+        """Make the frames of the deferred calls, where they wait in the pending list."""
+        self._deferral.settle(self._pending)
 
     def record_loss(self, loss: torch.Tensor) -> None:
         """A loss computed outside the watched modules, as a frame of its own (module `(loss)`, not traced)."""

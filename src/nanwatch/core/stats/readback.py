@@ -24,8 +24,11 @@ __all__ = ["stack_maxima", "read_flags", "holds_non_finite", "ReadBack", "read_b
 _Owner = TypeVar("_Owner")
 
 
-def stack_maxima(measurements: Iterable[Measurement]) -> dict[tuple[torch.device, torch.dtype | None], torch.Tensor]:
-    """The floating-point abs maxima, each measurement once, stacked by (device, dtype of the measured tensor)."""
+def stack_maxima(
+    measurements: Iterable[Measurement], whole: Iterable[tuple[Rows, torch.dtype]] = ()
+) -> dict[tuple[torch.device, torch.dtype | None], torch.Tensor]:
+    """The floating-point abs maxima, each measurement once, stacked by (device, dtype of the measured tensor); and
+    every row of the `whole` stacks (rows of tensors of that dtype, each in a frame: not looked for one by one)."""
     groups: dict[tuple[torch.device, torch.dtype | None], list[torch.Tensor]] = {}
     stacked: dict[int, tuple[Rows, torch.dtype | None, list[int]]] = {}
     seen: set[int] = set()
@@ -51,6 +54,10 @@ def stack_maxima(measurements: Iterable[Measurement]) -> dict[tuple[torch.device
         highs = rows.highs
         if len(used) != len(highs):  # some modules did not run: their parameters are not part of these frames
             highs = highs.index_select(0, torch.tensor(used, device=highs.device))
+        group = (highs.device, dtype)
+        found[group] = highs if group not in found else torch.cat([found[group], highs])
+    for rows, dtype in whole:
+        highs = rows.highs
         group = (highs.device, dtype)
         found[group] = highs if group not in found else torch.cat([found[group], highs])
     return found

@@ -1,0 +1,166 @@
+"""Deferred recording (core/engine/recorder.py): from a module's second recorded batch on, a call with one tensor in
+and one small float tensor out keeps a reference to its output and makes its frame at the check. What the frames say
+must not change: these tests run several batches, so that the later ones are deferred, and compare every line with
+the numbers computed directly (the same tensors; abs min and max are exact, so equality holds)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tests.engine_helpers import deferred_calls
+from torch import nn
+
+from nanwatch import WatchConfig
+from nanwatch.core.frames import ResolvedFrame, resolve
+from nanwatch.core.watcher import Watcher
+
+
+def _frames_of(watcher: Watcher, batch: int) -> list[ResolvedFrame]:
+    return [frame for frame in resolve(watcher.recent_frames()) if frame.batch_number == batch]
+
+
+def _line(frame: ResolvedFrame, label: str) -> tuple[float | int | None, float | int | None]:
+    entry = next(e for e in frame.entries if e.label == label)
+    return entry.abs_min, entry.abs_max
+
+
+def _range(tensor: torch.Tensor) -> tuple[float, float]:
+    values = tensor.detach().abs()
+    return values.min().item(), values.max().item()
+
+
+def test_a_chain_of_small_modules_is_deferred_and_records_the_same_numbers() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2))
+    watcher = Watcher(model, WatchConfig(max_frames_to_save=50))
+    watcher.attach()
+    for batch in range(3):
+        x = torch.randn(5, 4)
+        model(x)
+        deferred = deferred_calls(watcher)
+        frames = _frames_of(watcher, batch)
+        watcher.end_batch()
+    assert deferred == 4, "the three modules and the Sequential around them, in the third batch"
+    with torch.no_grad():  # no watched call: the functional forms
+        hidden = nn.functional.linear(x, model[0].weight, model[0].bias)
+        squashed = hidden.tanh()
+        out = nn.functional.linear(squashed, model[2].weight, model[2].bias)
+    first, tanh, last, root = frames
+    assert [frame.module_name for frame in frames] == ["0", "1", "2", ""]
+    assert [entry.label for entry in first.entries] == ["weight", "bias", "input[0]", "output"]
+    assert _line(first, "input[0]") == _range(x)
+    assert _line(first, "output") == _line(tanh, "input[0]") == _range(hidden)
+    assert _line(tanh, "output") == _line(last, "input[0]") == _range(squashed)
+    assert _line(last, "output") == _line(root, "output") == _range(out)
+    assert _line(root, "input[0]") == _range(x)
+    assert _line(last, "weight") == _range(model[2].weight)
+    watcher.close()
+
+
+def test_an_output_changed_in_place_after_its_call_is_never_deferred() -> None:
+    """ReLU(inplace=True) overwrites the Linear's output after its hook ran: the first batch shows it, so the Linear
+    is recorded as it returns in every batch, and its line keeps the values from before the ReLU."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.ReLU(inplace=True), nn.Linear(6, 2))
+    watcher = Watcher(model, WatchConfig(max_frames_to_save=50))
+    watcher.attach()
+    for batch in range(3):
+        x = torch.randn(5, 4)
+        before_relu = nn.functional.linear(x, model[0].weight, model[0].bias).detach()  # no watched call
+        model(x)
+        frames = _frames_of(watcher, batch)
+        assert _line(frames[0], "output") == _range(before_relu), f"batch {batch}"
+        assert _line(frames[1], "output") == _range(before_relu.relu())
+        watcher.end_batch()
+    watcher.close()
+
+
+class _Mutates(nn.Module):
+    """A Linear whose output the caller scales in place after it returned, once `scale_after` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Linear(4, 4)
+        self.scale_after = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.inner(x)
+        if self.scale_after:
+            out.mul_(1000.0)
+        return out
+
+
+def test_an_in_place_change_that_starts_later_stops_the_deferral_from_then_on() -> None:
+    """Deferred in batch 1; in batch 2 the caller starts scaling the Linear's output in place after its hook: that
+    batch's line is what the check found (the deferred reference shows the scaled values), and from batch 3 on the
+    Linear is recorded as it returns again, exact."""
+    torch.manual_seed(0)
+    model = _Mutates()
+    watcher = Watcher(model, WatchConfig(max_frames_to_save=50))
+    watcher.attach()
+    seen = {}
+    for batch in range(4):
+        model.scale_after = batch >= 2
+        x = torch.randn(3, 4)
+        returned = nn.functional.linear(x, model.inner.weight, model.inner.bias).detach()  # no watched call
+        model(x)
+        seen[batch] = (_line(_frames_of(watcher, batch)[0], "output"), _range(returned))
+        watcher.end_batch()
+    assert seen[1][0] == seen[1][1], "deferred, exact"
+    assert seen[2][0][1] == pytest.approx(1000 * seen[2][1][1], rel=1e-6), "changed after the call: seen at the check"
+    assert seen[3][0] == seen[3][1], "recorded as it returns from then on: exact again"
+    watcher.close()
+
+
+def test_a_weight_changed_between_two_calls_of_a_batch_is_measured_again_in_later_batches() -> None:
+    class Twice(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = nn.Linear(3, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            first = self.layer(x)
+            with torch.no_grad():
+                self.layer.weight.mul_(2)
+            return self.layer(first)
+
+    torch.manual_seed(0)
+    model = Twice()
+    watcher = Watcher(model, WatchConfig(max_frames_to_save=50))
+    watcher.attach()
+    for batch in range(3):
+        before = _range(model.layer.weight)
+        model(torch.randn(2, 3))
+        first, second, _root = _frames_of(watcher, batch)
+        assert _line(first, "weight") == before
+        assert _line(second, "weight") == _range(model.layer.weight)
+        watcher.end_batch()
+    watcher.close()
+
+
+def test_a_buffer_the_loop_refills_is_measured_as_each_batch_saw_it() -> None:
+    """One input tensor refilled in place before every batch (after the previous check): each batch's input line
+    is that batch's data, deferred or not."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+    buffer = torch.empty(2, 4)
+    watcher = Watcher(model, WatchConfig(max_frames_to_save=50))
+    watcher.attach()
+    for batch in range(3):
+        buffer.copy_(torch.randn(2, 4) * (batch + 1))
+        model(buffer)
+        assert _line(_frames_of(watcher, batch)[0], "input[0]") == _range(buffer)
+        watcher.end_batch()
+    watcher.close()
+
+
+def test_nothing_is_deferred_when_other_statistics_are_measured() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh())
+    watcher = Watcher(model, WatchConfig(count_underflow=True))
+    watcher.attach()
+    for _batch in range(3):
+        model(torch.randn(5, 4))
+        assert deferred_calls(watcher) == 0
+        watcher.end_batch()
+    watcher.close()
