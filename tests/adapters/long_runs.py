@@ -4,6 +4,7 @@ weight snapshot, and the frameworks' warnings that small CPU runs raise."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -11,7 +12,15 @@ import torch
 from tests.models import small_mlp
 from torch import nn
 
-__all__ = ["FRAMEWORK_NOISE", "batches", "lightning_regressor", "lightning_trainer", "same", "snapshot"]
+__all__ = [
+    "FRAMEWORK_NOISE",
+    "batches",
+    "hf_training_arguments",
+    "lightning_regressor",
+    "lightning_trainer",
+    "same",
+    "snapshot",
+]
 
 # What Lightning says about a tiny run on the CPU: nothing the tests look at.
 FRAMEWORK_NOISE = pytest.mark.filterwarnings(
@@ -72,3 +81,24 @@ def lightning_regressor(optimizer: Callable[[Any], torch.optim.Optimizer], facto
             return optimizer(self.parameters())
 
     return Regressor()
+
+
+def hf_training_arguments(output_dir: Path, max_steps: int) -> Any:
+    """Quiet HF `TrainingArguments` on the CPU for the long-run tests: batch 1, plain SGD at a constant 1e-4, no
+    clipping, no saving, no logging, `max_steps` steps."""
+    from transformers import TrainingArguments
+
+    return TrainingArguments(
+        output_dir=str(output_dir),
+        per_device_train_batch_size=1,
+        max_steps=max_steps,
+        learning_rate=1e-4,
+        lr_scheduler_type="constant",
+        optim="sgd",
+        max_grad_norm=0.0,
+        report_to=[],
+        save_strategy="no",
+        logging_strategy="no",
+        use_cpu=True,
+        disable_tqdm=True,
+    )

@@ -11,7 +11,13 @@ from typing import Any
 
 import pytest
 import torch
-from tests.adapters.long_runs import FRAMEWORK_NOISE, batches, lightning_regressor, lightning_trainer
+from tests.adapters.long_runs import (
+    FRAMEWORK_NOISE,
+    batches,
+    hf_training_arguments,
+    lightning_regressor,
+    lightning_trainer,
+)
 from tests.models import small_mlp
 from torch import nn
 
@@ -178,25 +184,12 @@ class _Regressor(nn.Module):
 
 def test_hf_trainer_a_gradient_spike_is_named_with_its_module(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
-    from transformers import Trainer, TrainingArguments
+    from transformers import Trainer
 
     from nanwatch.adapters.hf_trainer import OverflowTrainerCallback
 
     data = [{"x": x, "labels": y} for x, y in _batches16(20)]
-    arguments = TrainingArguments(
-        output_dir=str(tmp_path / "out"),
-        per_device_train_batch_size=1,
-        max_steps=20,
-        learning_rate=1e-4,
-        lr_scheduler_type="constant",
-        optim="sgd",
-        max_grad_norm=0.0,
-        report_to=[],
-        save_strategy="no",
-        logging_strategy="no",
-        use_cpu=True,
-        disable_tqdm=True,
-    )
+    arguments = hf_training_arguments(tmp_path / "out", 20)
     trainer = Trainer(
         model=_Regressor(),
         args=arguments,

@@ -12,7 +12,8 @@ from typing import Any
 
 import pytest
 import torch
-from tests.adapters.long_runs import FRAMEWORK_NOISE, batches, lightning_trainer
+from tests.adapters.long_runs import FRAMEWORK_NOISE, batches, hf_training_arguments, lightning_trainer
+from tests.adapters.scripts.blowup_models import Boosted
 from torch import nn
 
 from nanwatch import watch
@@ -25,25 +26,6 @@ STEPS = 18
 SENTINEL = {"mode": "sentinel", "spike_window": 10}
 
 pytestmark = FRAMEWORK_NOISE
-
-
-class Boost(nn.Module):
-    """Multiplies by the micro-batch's own `boost` input: a spike that comes with the data, in this module only."""
-
-    def forward(self, x: torch.Tensor, boost: torch.Tensor) -> torch.Tensor:
-        return x * boost
-
-
-class Boosted(nn.Module):
-    """Linear(4, 8) -> Tanh -> Boost -> Linear(8, 1), seeded; `boost` reaches the Boost module alone."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.inp, self.act, self.boost, self.out = nn.Linear(4, 8), nn.Tanh(), Boost(), nn.Linear(8, 1)
-
-    def forward(self, x: torch.Tensor, boost: torch.Tensor) -> torch.Tensor:
-        return self.out(self.boost(self.act(self.inp(x)), boost))
 
 
 def _boost(index: int) -> torch.Tensor:
@@ -237,24 +219,11 @@ class _BoostedRegressor(nn.Module):
 
 def test_hf_trainer_sentinel_replays_the_spike_and_names_the_module(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
-    from transformers import Trainer, TrainingArguments
+    from transformers import Trainer
 
     from nanwatch.adapters.hf_trainer import OverflowTrainerCallback
 
-    arguments = TrainingArguments(
-        output_dir=str(tmp_path / "out"),
-        per_device_train_batch_size=1,
-        max_steps=STEPS,
-        learning_rate=1e-4,
-        lr_scheduler_type="constant",
-        optim="sgd",
-        max_grad_norm=0.0,
-        report_to=[],
-        save_strategy="no",
-        logging_strategy="no",
-        use_cpu=True,
-        disable_tqdm=True,
-    )
+    arguments = hf_training_arguments(tmp_path / "out", STEPS)
 
     class InOrder(Trainer):  # type: ignore[misc]
         """The micro-batches in the dataset's order (the Trainer shuffles by default): the spike at SPIKE_AT."""

@@ -10,6 +10,27 @@ import torch
 import torch.distributed as dist
 
 
+class Boost(torch.nn.Module):
+    """Multiplies by the micro-batch's own `boost` input: a spike that comes with the data, in this module only."""
+
+    def forward(self, x: torch.Tensor, boost: torch.Tensor) -> torch.Tensor:
+        return x * boost
+
+
+class Boosted(torch.nn.Module):
+    """Linear(4, 8) -> Tanh -> Boost -> Linear(8, 1), seeded; `boost` reaches the Boost module alone (the sentinel
+    spike tests, tests/adapters/test_spikes_sentinel.py and spike_ddp_run.py)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.act = torch.nn.Linear(4, 8), torch.nn.Tanh()
+        self.boost, self.out = Boost(), torch.nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor, boost: torch.Tensor) -> torch.Tensor:
+        return self.out(self.boost(self.act(self.inp(x)), boost))
+
+
 class Blowup(torch.nn.Module):
     """Passes its input through, except on training forward number `at` (0-indexed) on `rank`, where it adds inf.
 

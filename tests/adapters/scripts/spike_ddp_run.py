@@ -17,26 +17,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from blowup_models import finish_rank
+from blowup_models import Boosted, finish_rank
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import nanwatch
-
-
-class Boost(nn.Module):
-    def forward(self, x: torch.Tensor, boost: torch.Tensor) -> torch.Tensor:
-        return x * boost
-
-
-class Boosted(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.inp, self.act, self.boost, self.out = nn.Linear(4, 8), nn.Tanh(), Boost(), nn.Linear(8, 1)
-
-    def forward(self, x: torch.Tensor, boost: torch.Tensor) -> torch.Tensor:
-        return self.out(self.boost(self.act(self.inp(x)), boost))
 
 
 def main() -> int:
