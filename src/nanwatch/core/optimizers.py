@@ -12,12 +12,8 @@ def gradients_to_apply(optimizer: torch.optim.Optimizer) -> list[tuple[torch.Ten
 
     Read at step time, so a parameter unfrozen after watching began, or a group added later, is covered too.
     """
-    found = []
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            if param.grad is not None:
-                found.append((param, param.grad))
-    return found
+    groups = optimizer.param_groups
+    return [(param, grad) for group in groups for param in group["params"] if (grad := param.grad) is not None]
 
 
 def skips_this_step(optimizer: torch.optim.Optimizer | None) -> bool:

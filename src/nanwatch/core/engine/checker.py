@@ -13,6 +13,7 @@ import torch
 
 from nanwatch.core.config import WatchConfig
 from nanwatch.core.engine.counters import Counters
+from nanwatch.core.engine.deferral import DeferredFrame
 from nanwatch.core.engine.plugins import FeatureSet
 from nanwatch.core.engine.recorder import Recorder
 from nanwatch.core.events import EngineContext, Feature
@@ -126,19 +127,18 @@ class Checker:
     def screen(self, frames: Sequence[Frame], *, features: bool) -> tuple[bool, list[Feature]]:
         """Whether any float abs max in `frames` is inf/nan, and which features' flags tripped: one read per device."""
         settled = self._recorder.settled if frames is self._recorder.pending else None
-        if settled is not None and settled.frames:
-            # The frames made from deferred calls: their outputs' stacks whole, their parameters and inputs once.
-            made = settled.frames
+        if settled is not None and settled.stacks:
+            # The frames made from deferred calls are not read line by line: their outputs' stacks whole, their
+            # parameters and inputs once (core/engine/deferral.py).
             measurements = [
                 entry.measurement
                 for frame in frames
-                if id(frame) not in made
+                if type(frame) is not DeferredFrame
                 for entry in frame.entries
                 if entry.measurement
             ]
-            measurements += settled.parameters
-            measurements += settled.inputs
-            maxima = stack_maxima(measurements, settled.stacks)
+            whole, deferred = settled.reads()
+            maxima = stack_maxima(measurements + deferred, whole)
         else:
             maxima = stack_maxima(entry.measurement for frame in frames for entry in frame.entries if entry.measurement)
         flags: list[tuple[torch.Tensor, Feature | None]] = [(torch.isfinite(s).all(), None) for s in maxima.values()]

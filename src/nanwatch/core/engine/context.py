@@ -123,8 +123,7 @@ class EngineView:
             self._features.dispatch("on_frame", frame, module, (), None)
 
     def is_last_pending(self, frame: Frame) -> bool:
-        pending = self._recorder.pending
-        return bool(pending) and pending[-1] is frame
+        return self._recorder.is_last(frame)
 
     def detection_report(self, section: ReportSection, module_name: str | None) -> Report:
         return self._checker.detection_report(section, module_name)

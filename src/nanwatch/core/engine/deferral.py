@@ -3,8 +3,10 @@
 On a model of many small modules a watched call costs what its Python costs, and most of that was building the frame
 (its lines, the measurement objects) and copying the output aside. A call with one tensor in and one small
 floating-point tensor out (no keywords) is deferred instead once its module has earned it: the hook keeps the
-output and its version counter in the pending list, where its frame will go, and `settle` makes every such frame at
-once when the frames are next read (the check), their outputs measured in one stack per dtype, shape and device.
+output and its version counter in the pending list, where its frame will go, and `settle` measures every such output
+at once when the frames are next read (the check), in one stack per dtype, shape and device. The frame it puts in the
+list, a `DeferredFrame`, makes its lines only when something reads them: the check reads the stacks whole, and of a
+clean batch only the ring's last few frames are ever shown.
 
 What a frame says does not change. A module's first recorded batch runs as before and is probed (`Site`): each
 eligible call's output and version counter are noted, and at the check a module whose outputs nothing changed in
@@ -13,6 +15,8 @@ place since their calls is deferred from then on; one whose output was changed (
 never is. The version counter is what tells: a deferred output whose counter moved by the check (a change that began
 later) is measured as it is then, and its module is recorded as it returns from then on. The input is the previous
 deferred call's output when it is that tensor unchanged (a chain of modules), else measured at the call as before.
+A deferred module's parameters are checked against their batch measurement at its first call of each batch (as a
+recorded module's are), and its lines name that measurement.
 """
 
 from __future__ import annotations
@@ -25,49 +29,128 @@ import torch
 from nanwatch.core.engine.counters import Counters
 from nanwatch.core.engine.parameter_lines import ParameterLines
 from nanwatch.core.frames import Direction, Entry, Frame, Role
-from nanwatch.core.stats.cache import StatsCache
+from nanwatch.core.stats.cache import StatsCache, TrackedBatch
 from nanwatch.core.stats.measure import Measurement, StackedMeasurement
 from nanwatch.core.stats.staging import STAGE_MAX_NUMEL, Rows
 from nanwatch.core.walk import OUTPUT_LABEL, input_label
 
-__all__ = ["Deferral", "Settled", "Site", "deferrable"]
+__all__ = ["DeferredFrame", "Deferral", "Settled", "Site", "deferrable"]
 
 # Deferred outputs are kept alive until their frames are made: at most this many elements in all (16 MiB of float32)
 # between two settlements; past it, calls are recorded as they return.
 MAX_DEFERRED_ELEMENTS = 1 << 22
 _DTYPES = frozenset((torch.float32, torch.float16, torch.bfloat16, torch.float64))
 _Tensor = torch.Tensor
-_INPUT, _OUTPUT, _FORWARD = Role.INPUT, Role.OUTPUT, Direction.FORWARD
+_PARAMETER, _INPUT, _OUTPUT, _FORWARD = Role.PARAMETER, Role.INPUT, Role.OUTPUT, Direction.FORWARD
 _INPUT_0 = input_label(0)
+_new = object.__new__
+_get_ident = threading.get_ident
 
 
 class Site:
-    """What the recorder has learned of one watched module's calls: whether they may be deferred."""
+    """One watched module, as the recorder knows it: its names, its parameter lines, and whether its calls may be
+    deferred."""
 
-    __slots__ = ("defer", "probed", "changed", "checked")
+    __slots__ = ("name", "class_name", "lines", "defer", "probed", "changed", "checked", "screened", "screened_batch")
 
-    def __init__(self) -> None:
+    def __init__(self, name: str, class_name: str) -> None:
+        self.name, self.class_name = name, class_name
+        self.lines = ParameterLines()  # its parameter lines, made once per batch for the calls recorded as they return
         self.defer = False  # its calls may be deferred
         self.probed = False  # its first recorded batch was judged (or a call showed it never can be)
         self.changed = False  # an output was changed in place after its call, or a parameter within a batch: never
-        # The parameters' batch measurements this module's deferred calls last checked the fingerprints against: they
-        # are checked at its first deferred call of each batch.
-        self.checked: object = None
+        # The batch measurement of the parameters its deferred calls were last found unchanged against (checked at
+        # its first deferred call of each batch).
+        self.checked: TrackedBatch | None = None
+        # The settlement (and batch measurement) whose screen already holds its parameters: once per module.
+        self.screened: Settled | None = None
+        self.screened_batch: TrackedBatch | None = None
 
 
 class Settled:
-    """What the pending frames made from deferred calls hold, so that the check's screen need not read them line by
-    line: the stacks their outputs were measured in (every row belongs to one of those frames), their modules'
-    parameter measurements (once per module), and the inputs measured at the call."""
+    """What the frames made from deferred calls hold, so that the check's screen need not read them line by line:
+    the stacks their outputs were measured in (every row belongs to one of those frames), the inputs measured at the
+    call, and their modules' parameters (once per module and batch measurement).
 
-    __slots__ = ("frames", "stacks", "parameters", "inputs", "sites")
+    Args:
+        parameter_sites: how many watched modules have parameters: when that many deferred modules' parameters are
+            here, all from one batch measurement, the check reads that measurement whole.
+    """
 
-    def __init__(self) -> None:
-        self.frames: set[int] = set()  # ids of the frames made
+    __slots__ = ("stacks", "inputs", "parameters", "parameter_sites")
+
+    def __init__(self, parameter_sites: int = 0) -> None:
         self.stacks: list[tuple[Rows, torch.dtype]] = []
-        self.parameters: list[Measurement] = []
         self.inputs: list[Measurement] = []
-        self.sites: set[Site] = set()
+        self.parameters: list[tuple[TrackedBatch, list[tuple[str, int]]]] = []  # per module: the batch, its rows
+        self.parameter_sites = parameter_sites
+
+    def reads(self) -> tuple[list[tuple[Rows, torch.dtype]], list[Measurement]]:
+        """What the screen reads for these frames: stacks to read whole, and measurements one by one."""
+        measurements = list(self.inputs)
+        parameters = self.parameters
+        batches = {id(batch): batch for batch, _ in parameters}
+        if len(batches) == 1 and len(parameters) == self.parameter_sites:  # every module's: the measurement whole
+            (batch,) = batches.values()
+            measurements += batch.alone
+            return self.stacks + batch.stacks, measurements
+        for batch, named in parameters:
+            found = batch.measurements
+            measurements += [found[row] for _, row in named]
+        return self.stacks, measurements
+
+
+class DeferredFrame(Frame):
+    """The frame of a deferred call, made at the check: its lines are made when first read.
+
+    The output is row `_row` of a stack of outputs (`_group`); the input is a measurement made at the call, or a row
+    of a stack too (the output of the call before: `_source` is then that stack's group, `_source_row` the row)."""
+
+    __slots__ = ("_lines", "_tracked", "_named", "_source", "_source_row", "_group", "_row")
+    _lines: list[Entry] | None
+    _tracked: TrackedBatch | None
+    _named: list[tuple[str, int]]
+    _source: Measurement | _Group
+    _source_row: int
+    _group: _Group
+    _row: int
+
+    @property
+    def entries(self) -> list[Entry]:
+        lines = self._lines
+        if lines is None:
+            tracked = self._tracked
+            lines = [] if tracked is None else [Entry(n, _PARAMETER, tracked.measurements[i]) for n, i in self._named]
+            source = self._source
+            found = source.measurement(self._source_row) if isinstance(source, _Group) else source
+            lines.append(Entry(_INPUT_0, _INPUT, found))
+            lines.append(Entry(OUTPUT_LABEL, _OUTPUT, self._group.measurement(self._row)))
+            self._lines = lines
+        return lines
+
+    @entries.setter
+    def entries(self, lines: list[Entry]) -> None:
+        self._lines = lines
+
+
+class _Group:
+    """Deferred outputs of one dtype, shape and device, measured as one stack: `rows` once measured, and the rows'
+    measurement objects made so far (one per row however many lines show it: an output is the next module's input,
+    and its container's output, and the checks count a tensor once by its measurement)."""
+
+    __slots__ = ("outputs", "rows", "dtype", "shape", "made")
+
+    def __init__(self, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+        self.outputs: list[torch.Tensor] = []  # until measured (then `rows`)
+        self.rows = Rows()
+        self.dtype, self.shape = dtype, shape
+        self.made: dict[int, StackedMeasurement] = {}
+
+    def measurement(self, row: int) -> StackedMeasurement:
+        found = self.made.get(row)
+        if found is None:
+            found = self.made[row] = StackedMeasurement(self.rows, row, self.dtype, self.shape)
+        return found
 
 
 def deferrable(args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> bool:
@@ -84,10 +167,11 @@ def deferrable(args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> bo
     )
 
 
-# A deferred call, kept in the pending list where its frame will go: the site, the frame's names and counters, the
-# parameter lines, the input (a Measurement made at the call, or the deferred call whose output it is), the output
-# (or the deferred call whose output it is) and its version counter at the call.
-DeferredCall = tuple[Site, str, str, int, str, list[Entry], Any, Any, int]
+# A deferred call, kept in the pending list where its frame will go: the site, the input (a Measurement made at the
+# call, or the deferred call whose output it is), the output (or the deferred call whose output it is) and its
+# version counter at the call, the micro-batch and phase, and the parameters' batch measurement with the names and
+# rows of the module's parameters in it (None, [] for a module without parameters).
+DeferredCall = tuple[Site, Any, Any, int, int, str, TrackedBatch | None, list[tuple[str, int]]]
 
 
 class Deferral:
@@ -96,9 +180,10 @@ class Deferral:
     def __init__(self, counters: Counters, cache: StatsCache) -> None:
         self._counters = counters
         self._cache = cache
-        self._thread = threading.get_ident()  # calls are deferred on this thread only (not DataParallel's replicas)
+        self._thread = _get_ident()  # calls are deferred on this thread only (not DataParallel's replicas)
         self.probes: list[tuple[Site, torch.Tensor, int]] = []  # calls of modules in their first recorded batch
         self.count = 0  # deferred calls pending
+        self.parameter_sites = 0  # watched modules with parameters (`Settled`)
         self.settled = Settled()
         self._elements = 0
         self._last_output: torch.Tensor | None = None  # the latest deferred call's own output, its version, the call
@@ -109,9 +194,13 @@ class Deferral:
         """The pending list was taken or dropped: nothing deferred is pending (nor probed, with `probes`)."""
         self.count = self._elements = 0
         self._last_output, self._last_call, self._last_version = None, None, -1
-        self.settled = Settled()
+        self.settled = Settled(self.parameter_sites)
         if probes:
             self.probes = []
+
+    def watch_parameter_sites(self, count: int) -> None:
+        """How many watched modules have parameters (the hooks were put on)."""
+        self.parameter_sites = self.settled.parameter_sites = count
 
     def judge_probes(self) -> None:
         """At a check: the modules whose probed outputs nothing changed in place since their calls are deferred from
@@ -124,47 +213,45 @@ class Deferral:
             elif not site.changed:
                 site.defer = True
 
-    def defer(
-        self,
-        pending: list[Any],
-        site: Site,
-        name: str,
-        class_name: str,
-        module: torch.nn.Module,
-        arg: Any,
-        output: Any,
-        known: ParameterLines,
-    ) -> bool:
+    def defer(self, pending: list[Any], site: Site, module: torch.nn.Module, arg: Any, output: Any) -> bool:
         """Keep a call whose frame can be made later: True when kept, False when it must be recorded now."""
-        if type(output) is not _Tensor or type(arg) is not _Tensor or output.is_inference():
+        # The hot path: every check that can be left to `settle` is, and what is left costs a few attribute reads.
+        if type(output) is not _Tensor or type(arg) is not _Tensor:
             return False
         numel = output.numel()
         elements = self._elements + numel
-        if numel > STAGE_MAX_NUMEL or elements > MAX_DEFERRED_ELEMENTS or output.dtype not in _DTYPES:
+        if (
+            numel > STAGE_MAX_NUMEL
+            or elements > MAX_DEFERRED_ELEMENTS
+            or output.dtype not in _DTYPES
+            or output.is_inference()
+            or _get_ident() != self._thread
+        ):
             return False
-        if threading.get_ident() != self._thread:
-            return False
-        cache = self._cache
         params = module._parameters
-        if not params:
-            lines = []
-        elif known.batch is not None and site.checked is known.batch and known.batch is cache.tracked_batch():
-            lines = known.entries.copy()
+        if params:
+            tracked = self._cache.tracked_batch()
+            if tracked is None or site.checked is not tracked:  # its first deferred call of this batch: unchanged?
+                lines = site.lines
+                if tracked is None or not lines.stable or not lines.unchanged(params, tracked):
+                    site.defer, site.changed = False, True  # recorded as it returns from now on
+                    return False
+                site.checked = tracked
+            named = site.lines.named
         else:
-            lines = known.lines(params, cache)
-            site.checked = known.batch
-            if not known.stable:  # changed since measured (or not tracked): recorded as it returns from now on
-                site.defer, site.changed = False, True
+            tracked, named = None, []
         version = output._version
         last = self._last_output
-        source: Any = self._last_call if arg is last and arg._version == self._last_version else cache.activation(arg)
+        source: Any = self._last_call if arg is last and arg._version == self._last_version else None
+        if source is None:
+            source = self._cache.activation(arg)
         counters = self._counters
         phase = counters.phase
         batch = counters.batch_number if phase == "train" else counters.eval_batch_number
         if output is last and version == self._last_version:  # a container returning its last child's output
-            pending.append((site, name, class_name, batch, phase, lines, source, self._last_call, version))
+            pending.append((site, source, self._last_call, version, batch, phase, tracked, named))
         else:
-            call = (site, name, class_name, batch, phase, lines, source, output, version)
+            call = (site, source, output, version, batch, phase, tracked, named)
             pending.append(call)
             self._last_output, self._last_version, self._last_call = output, version, call
             self._elements = elements
@@ -172,65 +259,55 @@ class Deferral:
         return True
 
     def settle(self, pending: list[Any]) -> None:
-        """Make the frames of the deferred calls, where they wait in `pending`: their outputs measured together, each
-        input sharing the measurement of the output it is."""
+        """Measure the deferred calls' outputs together (one stack per dtype, shape and device) and put their frames
+        where they wait in `pending`; the frames' lines are made when read."""
         if not self.count:
             return
         self.count = self._elements = 0
         self._last_output, self._last_call, self._last_version = None, None, -1
-        places, stacks = self._measure_outputs(pending)
         settled = self.settled
-        made: dict[int, Measurement] = {}
-        place = iter(places)
-        sites, made_frames = settled.sites, settled.frames
+        inputs, parameters = settled.inputs, settled.parameters
+        groups: dict[tuple[torch.dtype, torch.Size, torch.device], _Group] = {}  # the outputs by dtype, shape, device
+        last_call: Any = None
+        last_group: Any = None
+        last_row = 0
         for index, item in enumerate(pending):
             if type(item) is not tuple:
                 continue
-            site, name, class_name, batch, phase, lines, source, output, _ = item
-            if site not in sites:  # its parameter lines: the same measurements at each of its calls of a batch
-                sites.add(site)
-                settled.parameters += [entry.measurement for entry in lines if entry.measurement is not None]
-            if type(output) is tuple:
-                measurement = made[id(output)]
+            site, source, output, version, batch, phase, tracked, named = item
+            frame = _new(DeferredFrame)
+            frame.module_name, frame.class_name, frame.direction = site.name, site.class_name, _FORWARD
+            frame.batch_number, frame.phase, frame._lines = batch, phase, None
+            frame._tracked, frame._named = tracked, named
+            if type(source) is tuple:  # the output of the deferred call before (`defer` chains to no other)
+                if source is not last_call:
+                    raise RuntimeError(f"a deferred call of {site.name!r} lost the call its input came from")
+                frame._source, frame._source_row = last_group, last_row
             else:
-                group, row = next(place)
-                found, dtype, shape = stacks[id(group)]
-                measurement = StackedMeasurement(found, row, dtype, shape)
-            made[id(item)] = measurement
-            if type(source) is tuple:
-                source = made[id(source)]
+                frame._source, frame._source_row = source, 0
+                inputs.append(source)
+            if type(output) is tuple:  # a container returning the output of the deferred call before
+                if output is not last_call:
+                    raise RuntimeError(f"a deferred call of {site.name!r} lost the call its output came from")
+                frame._group, frame._row = last_group, last_row
             else:
-                settled.inputs.append(source)
-            lines.append(Entry(_INPUT_0, _INPUT, source))
-            lines.append(Entry(OUTPUT_LABEL, _OUTPUT, measurement))
-            frame = pending[index] = Frame(name, class_name, batch, phase, lines, _FORWARD)
-            made_frames.add(id(frame))
-
-    def _measure_outputs(
-        self, pending: list[Any]
-    ) -> tuple[list[tuple[list[torch.Tensor], int]], dict[int, tuple[Rows, torch.dtype, tuple[int, ...]]]]:
-        """Every deferred call's own output, measured in one stack per dtype, shape and device: where each went (its
-        group and row, in the calls' order), and each group's rows with the dtype and shape its tensors had."""
-        groups: dict[tuple[torch.dtype, torch.Size, torch.device], list[torch.Tensor]] = {}
-        places: list[tuple[list[torch.Tensor], int]] = []
-        for item in pending:
-            if type(item) is not tuple or type(item[7]) is tuple:  # a frame, or an output measured with another
-                continue
-            output = item[7]
-            if output._version != item[8]:  # changed in place since the call: measured as it is now, and its
-                item[0].defer, item[0].changed = False, True  # module recorded as it returns from now on
-            key = (output.dtype, output.shape, output.device)
-            group = groups.get(key)
-            if group is None:
-                group = groups[key] = []
-            places.append((group, len(group)))
-            group.append(output)
-        stacks: dict[int, tuple[Rows, torch.dtype, tuple[int, ...]]] = {}
+                if output._version != version:  # changed in place since the call: measured as it is now, and its
+                    site.defer, site.changed = False, True  # module recorded as it returns from now on
+                key = (output.dtype, output.shape, output.device)
+                group = groups.get(key)
+                if group is None:
+                    group = groups[key] = _Group(key[0], tuple(key[1]))
+                outputs = group.outputs
+                last_call, last_group, last_row = item, group, len(outputs)
+                frame._group, frame._row = group, last_row
+                outputs.append(output)
+            if tracked is not None and (site.screened is not settled or site.screened_batch is not tracked):
+                site.screened, site.screened_batch = settled, tracked
+                parameters.append((tracked, named))
+            pending[index] = frame
         with torch.no_grad():
-            for (dtype, size, _), group in groups.items():
+            for group in groups.values():
                 # One row per output: its abs min and max (min and max are exact however grouped; nan propagates).
-                values = torch.stack(group).abs_().view(len(group), -1)
-                found = Rows(values.amin(1), values.amax(1))
-                stacks[id(group)] = (found, dtype, tuple(size))
-                self.settled.stacks.append((found, dtype))
-        return places, stacks
+                values = torch.stack(group.outputs).abs_().view(len(group.outputs), -1)
+                group.rows, group.outputs = Rows(values.amin(1), values.amax(1)), []
+                settled.stacks.append((group.rows, group.dtype))

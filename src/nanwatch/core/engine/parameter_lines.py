@@ -35,24 +35,30 @@ class ParameterLines:
         self.remade = False
 
     def lines(self, params: Mapping[str, torch.Tensor | None], cache: StatsCache) -> list[Entry]:
+        batch = cache.tracked_batch() if self.slots is not None else None
+        if batch is None or not self.unchanged(params, batch):
+            return self._make(params, cache)
+        # Unchanged since measured: the same objects, with the version counters and storage they had then.
+        if self.batch is not batch:  # the module's first call of this batch
+            measurements = batch.measurements
+            self.entries = [Entry(name, _PARAMETER, measurements[index]) for name, index in self.named]
+            self.batch = batch
+        return self.entries.copy()
+
+    def unchanged(self, params: Mapping[str, torch.Tensor | None], batch: TrackedBatch) -> bool:
+        """Every parameter is tracked and has not changed since `batch` measured it (a deferred call's check: its
+        lines are made later, from `named` and the batch's measurements). A change found marks the lines `remade`."""
         slots = self.slots
-        if slots is not None and len(params) == len(slots):
-            batch = cache.tracked_batch()
-            if batch is not None:
-                # Unchanged since measured: the same objects, with the version counters and storage they had then.
-                versions, pointers = batch.versions, batch.pointers
-                for param, (known, index) in zip(params.values(), slots):  # noqa: B905  (lengths compared)
-                    if param is not known or (
-                        param is not None and (param._version != versions[index] or param.data_ptr() != pointers[index])
-                    ):
-                        self.remade = True
-                        return self._make(params, cache)
-                if self.batch is not batch:  # the module's first call of this batch
-                    measurements = batch.measurements
-                    self.entries = [Entry(name, _PARAMETER, measurements[index]) for name, index in self.named]
-                    self.batch = batch
-                return self.entries.copy()
-        return self._make(params, cache)
+        if slots is None or len(params) != len(slots):
+            return False
+        versions, pointers = batch.versions, batch.pointers
+        for param, (known, index) in zip(params.values(), slots):  # noqa: B905  (lengths compared)
+            if param is not known or (
+                param is not None and (param._version != versions[index] or param.data_ptr() != pointers[index])
+            ):
+                self.remade = True
+                return False
+        return True
 
     @property
     def stable(self) -> bool:

@@ -27,7 +27,6 @@ from nanwatch.core.compiler import (
 )
 from nanwatch.core.engine.counters import Counters
 from nanwatch.core.engine.deferral import Deferral, Settled, Site, deferrable
-from nanwatch.core.engine.parameter_lines import ParameterLines
 from nanwatch.core.frames import Direction, Entry, Frame, Role
 from nanwatch.core.hooks import HookSet, module_class_name, reshards_after_forward
 from nanwatch.core.log import warn
@@ -142,6 +141,11 @@ class Recorder:
         if len(pending) > MAX_PENDING_FRAMES:
             self._overflow()
 
+    def is_last(self, frame: Frame) -> bool:
+        """True when `frame` is the latest pending frame (asked without making the deferred calls' frames)."""
+        pending = self._pending
+        return bool(pending) and pending[-1] is frame
+
     def take_pending(self) -> list[Frame]:
         """The pending frames, handed over to a check (none are pending after)."""
         pending = self.pending
@@ -175,6 +179,9 @@ class Recorder:
             )
             self.modules.setdefault(name, module)
         self._cache.track_parameters(p for _, m in selected for p in m._parameters.values() if p is not None)
+        self._deferral.watch_parameter_sites(
+            sum(1 for _, m in selected if any(p is not None for p in m._parameters.values()))
+        )
         if forget_stale:
             self.forget_stale_compiled_code([module for _, module in selected], info, warn)
         self.hooked = bool(selected)
@@ -190,8 +197,7 @@ class Recorder:
         """The forward hook (with keyword inputs) that records `name`'s calls."""
         prefix, kernels, record = frame_key(self.sink.token, name, class_name), self._cache.kernels, self._record
         show_recomputes = self._show_recomputes
-        known = ParameterLines()  # this module's parameter lines, made once per batch (`_record`)
-        site, deferral = Site(), self._deferral
+        site, deferral = Site(name, class_name), self._deferral
 
         def forward_hook(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
             if not self.recording:
@@ -214,12 +220,12 @@ class Recorder:
                     and not kwargs
                     and len(args) == 1
                     and not self.tracing
-                    and deferral.defer(self._pending, site, name, class_name, module, args[0], output, known)
+                    and deferral.defer(self._pending, site, module, args[0], output)
                 ):
                     if len(self._pending) > MAX_PENDING_FRAMES:
                         self._overflow()
                     return
-                record(name, class_name, module, args, kwargs, output, known, direction, site)
+                record(site, module, args, kwargs, output, direction)
             except Exception as error:  # our bookkeeping must never kill a healthy run
                 self._disable(f"recording {name or type(module).__name__} failed: {error!r}")
 
@@ -227,21 +233,19 @@ class Recorder:
 
     def _record(
         self,
-        name: str,
-        class_name: str,
+        site: Site,
         module: torch.nn.Module,
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         output: Any,
-        known: ParameterLines,
         direction: Direction,
-        site: Site,
     ) -> None:
         # Runs after every module's forward, right after heavy kernels have flushed the CPU caches, where each
         # Python operation costs several times what it costs in isolation: keep the work per call minimal. No
         # `torch.no_grad()` here: measuring works on detached tensors, so it never builds a graph anyway.
         cache = self._cache
         params = module._parameters
+        known = site.lines
         entries = known.lines(params, cache) if params else []
         activation = cache.activation
         # The labels of core/walk.py, with fast paths for a tensor and a flat tuple (`_add_leaves`).
@@ -259,7 +263,7 @@ class Recorder:
         counters = self._counters
         phase = counters.phase
         batch = counters.batch_number if phase == "train" else counters.eval_batch_number
-        self.append(Frame(name, class_name, batch, phase, entries, direction), module, args, output)
+        self.append(Frame(site.name, site.class_name, batch, phase, entries, direction), module, args, output)
         if not site.probed and direction is _FORWARD:
             self._probe(site, args, kwargs, output, stable=not params or known.stable)
 

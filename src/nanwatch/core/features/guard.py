@@ -26,7 +26,7 @@ from nanwatch.core.hooks import clean_name
 from nanwatch.core.optimizers import gradients_to_apply, skips_this_step
 from nanwatch.core.readouts import GRADIENT_MAXIMUM, Readout
 from nanwatch.core.report import Report, ReportSection
-from nanwatch.core.stats.sharded import local_shard
+from nanwatch.core.stats.sharded import local_shards
 from nanwatch.core.stats.stacking import MagnitudePlan
 
 __all__ = ["GradientGuard", "MAX_NAMED", "backward_note"]
@@ -156,7 +156,7 @@ class _Plans:
 
     def launch(self, params: list[torch.Tensor], grads: list[torch.Tensor]) -> _Groups:
         """The largest magnitude of each gradient (a DTensor's over this rank's shard: no collective)."""
-        grads = [local_shard(grad) for grad in grads]
+        grads = local_shards(grads)
         key = tuple(map(id, params))
         try:
             if key != self._key or self._plan is None:
@@ -171,7 +171,8 @@ class _Plans:
             found = self._plan.launch([grads[i] for i in self._dense])
             self._key = key
         dense = self._dense
-        groups = [([dense[k] for k in indices], vector) for indices, vector in found]
+        # The plan's indices count the dense gradients; made the parameters' own where others were left out.
+        groups = [([dense[k] for k in indices], vector) for indices, vector in found] if self._others else list(found)
         for index in self._others:  # sparse, empty, or a tensor subclass: reduced on its own
             grad = grads[index]
             data = grad.coalesce().values() if grad.is_sparse else grad

@@ -16,7 +16,7 @@ import torch
 from nanwatch.core.stats.kernels import ABS_KEEPS_DTYPE
 from nanwatch.core.stats.measure import _RANGE, ExtraKernels, Measurement, StackedMeasurement, measure
 from nanwatch.core.stats.stacking import StackPlan
-from nanwatch.core.stats.staging import STAGE_MAX_NUMEL, Staging
+from nanwatch.core.stats.staging import STAGE_MAX_NUMEL, Rows, Staging
 
 __all__ = ["StatsCache", "TrackedBatch"]
 
@@ -61,11 +61,14 @@ _ActivationHit = _Seen
 @dataclass(frozen=True, slots=True)
 class TrackedBatch:
     """One batch's measurements of the tracked parameters, in the plan's order, with each parameter's version
-    counter and storage when it was measured: a measurement holds while the parameter still has both."""
+    counter and storage when it was measured: a measurement holds while the parameter still has both. `stacks` and
+    `alone` are what the measurements are made of, for a check that reads them all (`StackPlan.measure_whole`)."""
 
     measurements: list[Measurement]
     versions: list[int]
     pointers: list[int]
+    stacks: list[tuple[Rows, torch.dtype]]
+    alone: list[Measurement]
 
 
 class StatsCache:
@@ -174,16 +177,16 @@ class StatsCache:
         try:
             if not plan.fits():
                 raise RuntimeError("dtypes changed")
-            measurements = plan.measure(self._kernels)
+            measurements, stacks, alone = plan.measure_whole(self._kernels)
         except RuntimeError:  # a parameter changed dtype, shape or device since the plan was made: make a new one
             plan = self._plan = StackPlan(plan.tensors)
-            measurements = plan.measure(self._kernels)
+            measurements, stacks, alone = plan.measure_whole(self._kernels)
         tensors = plan.tensors
         self._versions = [tensor._version for tensor in tensors]
         self._pointers = [_pointer(tensor) for tensor in tensors]
         self._dtypes = [tensor.dtype for tensor in tensors]
         self._measured = measurements
-        self._tracked = TrackedBatch(measurements, self._versions, self._pointers)
+        self._tracked = TrackedBatch(measurements, self._versions, self._pointers, stacks, alone)
 
     def activation(self, tensor: torch.Tensor) -> Measurement:
         try:

@@ -15,7 +15,7 @@ import sys
 
 import torch
 
-__all__ = ["local_shard"]
+__all__ = ["local_shard", "local_shards"]
 
 
 def local_shard(tensor: torch.Tensor) -> torch.Tensor:
@@ -28,3 +28,11 @@ def local_shard(tensor: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         local: torch.Tensor = tensor.to_local()
     return local
+
+
+def local_shards(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """`local_shard` of each of `tensors` (the list itself when torch.distributed.tensor was never imported)."""
+    kind = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+    if kind is None:
+        return tensors
+    return [local_shard(tensor) if isinstance(tensor, kind) else tensor for tensor in tensors]

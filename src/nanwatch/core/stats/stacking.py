@@ -74,7 +74,15 @@ class StackPlan:
     def measure(self, kernels: ExtraKernels = ()) -> list[Measurement]:
         """The measurements, in the order of the tensors given. Raises RuntimeError when a stacked tensor changed its
         shape or device since (`torch.stack` refuses): make a new plan then."""
+        return self.measure_whole(kernels)[0]
+
+    def measure_whole(
+        self, kernels: ExtraKernels = ()
+    ) -> tuple[list[Measurement], list[tuple[Rows, torch.dtype]], list[Measurement]]:
+        """`measure()`, and what its measurements are made of: each stack's rows with its dtype, and the tensors
+        measured alone (a check that reads every tensor reads these whole, not one measurement at a time)."""
         found: list[Measurement] = []
+        stacks: list[tuple[Rows, torch.dtype]] = []
         with torch.no_grad():  # no graph for the stacks of parameters that require grad
             for stack, dtype, shape in self.stacks:
                 # One column per tensor: amin/amax over dim 0 of the transposed rows run as a few long vector passes
@@ -82,17 +90,19 @@ class StackPlan:
                 # aminmax does.
                 columns = torch.stack(stack).abs_().view(len(stack), -1).t()
                 rows = Rows(columns.amin(0), columns.amax(0))
+                stacks.append((rows, dtype))
                 sizes = tuple(shape)
                 for row, tensor in enumerate(stack):
                     one = StackedMeasurement(rows, row, dtype, sizes)
                     if kernels:
                         one.extra = measure_extras(tensor.detach(), kernels)
                     found.append(one)
-        found += [measure(self.tensors[index], kernels) for index in self.alone]
+        alone = [measure(self.tensors[index], kernels) for index in self.alone]
+        found += alone
         ordered: list[Measurement | None] = [None] * len(found)
         for index, measurement in zip(self._order, found, strict=True):
             ordered[index] = measurement
-        return [measurement for measurement in ordered if measurement is not None]
+        return [measurement for measurement in ordered if measurement is not None], stacks, alone
 
 
 class MagnitudePlan:
