@@ -164,3 +164,96 @@ def test_nothing_is_deferred_when_other_statistics_are_measured() -> None:
         assert deferred_calls(watcher) == 0
         watcher.end_batch()
     watcher.close()
+
+
+def test_a_parameter_put_on_a_deferred_module_is_the_one_its_lines_show() -> None:
+    """Deferred from batch 1; before batch 3 the Linear gets a new weight (`module.weight = Parameter(...)`, as weight
+    tying or pruning do): its line shows the new weight, not the old one's batch measurement."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+    watcher = Watcher(model, WatchConfig(max_frames_to_save=50))
+    watcher.attach()
+    for batch in range(4):
+        if batch == 3:
+            model[0].weight = nn.Parameter(torch.full((4, 4), 7.0))
+        model(torch.randn(2, 4))
+        if batch == 2:
+            assert deferred_calls(watcher) == 3, "the Linear, the Tanh and the Sequential"
+        assert _line(_frames_of(watcher, batch)[0], "weight") == _range(model[0].weight), f"batch {batch}"
+        watcher.end_batch()
+    watcher.close()
+
+
+def test_weights_an_optimizer_changes_before_the_check_show_as_the_forward_saw_them() -> None:
+    """A loop that steps its optimizer before the check (no optimizer given to nanwatch): each batch's weight line is
+    the weight its forward used, deferred or not."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    watcher = Watcher(model, WatchConfig(max_frames_to_save=50))
+    watcher.attach()
+    for batch in range(4):
+        used = [_range(model[0].weight), _range(model[2].weight)]
+        optimizer.zero_grad()
+        model(torch.randn(3, 4)).square().mean().backward()
+        optimizer.step()
+        frames = _frames_of(watcher, batch)
+        assert [_line(frames[0], "weight"), _line(frames[2], "weight")] == used, f"batch {batch}"
+        assert _range(model[0].weight) != used[0], "the step changed the weight"
+        watcher.end_batch()
+    watcher.close()
+
+
+class _ScalesLaterLayer(nn.Module):
+    """Two Linears; once `scale` is set, the forward doubles the second one's weight in place between the two calls
+    (after the batch measured every weight at the first call)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.scale = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.first(x)
+        if self.scale:
+            with torch.no_grad():
+                self.second.weight.mul_(2.0)
+        return self.second(hidden)
+
+
+def test_a_weight_that_starts_changing_during_the_forward_is_measured_at_the_call_again() -> None:
+    """Deferred from batch 1, a module's parameters are checked all at once at the check. From batch 2 the forward
+    changes one of them before its module's call: the check finds it changed and cannot tell when (that batch's line
+    may show the batch measurement), and from then on each module's parameters are checked at its call: exact."""
+    torch.manual_seed(0)
+    model = _ScalesLaterLayer()
+    watcher = Watcher(model, WatchConfig(max_frames_to_save=50))
+    watcher.attach()
+    for batch in range(5):
+        model.scale = batch >= 2
+        model(torch.randn(2, 4))
+        if batch >= 3:
+            second = next(f for f in _frames_of(watcher, batch) if f.module_name == "second")
+            assert _line(second, "weight") == _range(model.second.weight), f"batch {batch}"
+        watcher.end_batch()
+    watcher.close()
+
+
+def test_a_module_whose_weights_are_put_in_place_for_its_call_is_never_deferred() -> None:
+    """As ZeRO-3 or FSDP gather a module's weights just before its call (new storage, no version change): the
+    batch measurement made at the first module's call is not what the second one used, so it is recorded as it
+    returns, with the weights of its call."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+
+    def gather(module: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
+        module.weight.data = module.weight.data * 2.0  # new storage, as a gather makes
+
+    model[1].register_forward_pre_hook(gather)
+    watcher = Watcher(model, WatchConfig(max_frames_to_save=50))
+    watcher.attach()
+    for batch in range(4):
+        model(torch.randn(2, 4))
+        assert _line(_frames_of(watcher, batch)[1], "weight") == _range(model[1].weight), f"batch {batch}"
+        watcher.end_batch()
+    watcher.close()

@@ -15,8 +15,14 @@ place since their calls is deferred from then on; one whose output was changed (
 never is. The version counter is what tells: a deferred output whose counter moved by the check (a change that began
 later) is measured as it is then, and its module is recorded as it returns from then on. The input is the previous
 deferred call's output when it is that tensor unchanged (a chain of modules), else measured at the call as before.
-A deferred module's parameters are checked against their batch measurement at its first call of each batch (as a
-recorded module's are), and its lines name that measurement.
+A deferred module's lines name its parameters' batch measurement (made at the batch's first call). Its first
+recorded batch shows that the measurement is what its call used (not weights gathered for the call, as FSDP and
+ZeRO-3 do, nor changed since the batch began). After that the parameters are checked all at once, at the check: a
+measurement kept from an earlier batch (evaluation) is checked whole before it is named again, and one whose
+parameters changed by the check (an optimizer step the check follows, or a forward that began changing them) cannot
+say whether that was before a call or after, so from then on each module's parameters are checked at its first call
+of each batch, as they are for a recorded module. A parameter put on any module (`module.weight = Parameter(...)`)
+does the same at once.
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ _Tensor = torch.Tensor
 _PARAMETER, _INPUT, _OUTPUT, _FORWARD = Role.PARAMETER, Role.INPUT, Role.OUTPUT, Direction.FORWARD
 _INPUT_0 = input_label(0)
 _new = object.__new__
+_NO_PARAMETERS: list[tuple[str, int]] = []  # shared by every deferred call of a module without parameters (read only)
 _get_ident = threading.get_ident
 
 
@@ -114,6 +121,7 @@ class DeferredFrame(Frame):
     _source_row: int
     _group: _Group
     _row: int
+    direction = _FORWARD  # a class attribute: one field less to set per frame (deferred calls are forward calls)
 
     @property
     def entries(self) -> list[Entry]:
@@ -177,6 +185,23 @@ DeferredCall = tuple[Site, Any, Any, int, int, str, TrackedBatch | None, list[tu
 class Deferral:
     """The deferred calls of one recorder: kept by `defer`, made into frames by `settle`."""
 
+    __slots__ = (
+        "_counters",
+        "_cache",
+        "_thread",
+        "probes",
+        "count",
+        "parameter_sites",
+        "check_each_call",
+        "_current",
+        "_measured_then",
+        "settled",
+        "_elements",
+        "_last_output",
+        "_last_version",
+        "_last_call",
+    )
+
     def __init__(self, counters: Counters, cache: StatsCache) -> None:
         self._counters = counters
         self._cache = cache
@@ -184,6 +209,13 @@ class Deferral:
         self.probes: list[tuple[Site, torch.Tensor, int]] = []  # calls of modules in their first recorded batch
         self.count = 0  # deferred calls pending
         self.parameter_sites = 0  # watched modules with parameters (`Settled`)
+        # Whether a deferred module's parameters are checked at its first call of each batch, rather than all at
+        # once when the calls are settled (see the module's docstring): from the first time a check could not tell.
+        self.check_each_call = False
+        # The parameters' batch measurement found current since the calls were last settled (or dropped), and how
+        # many the cache had made by then: one made before is checked whole before it is named again (`_renew`).
+        self._current: TrackedBatch | None = None
+        self._measured_then = -1
         self.settled = Settled()
         self._elements = 0
         self._last_output: torch.Tensor | None = None  # the latest deferred call's own output, its version, the call
@@ -195,12 +227,32 @@ class Deferral:
         self.count = self._elements = 0
         self._last_output, self._last_call, self._last_version = None, None, -1
         self.settled = Settled(self.parameter_sites)
+        self._current, self._measured_then = None, self._cache.batches_measured
         if probes:
             self.probes = []
 
     def watch_parameter_sites(self, count: int) -> None:
         """How many watched modules have parameters (the hooks were put on)."""
         self.parameter_sites = self.settled.parameter_sites = count
+
+    def _renew(self, tracked: TrackedBatch | None) -> TrackedBatch | None:
+        """The first deferred call with parameters since the calls were last settled: a batch measurement made before
+        that (evaluation keeps one across micro-batches) is checked whole first, and made again if a parameter
+        changed since (`model.to(...)`, weights loaded between evaluation batches)."""
+        if (
+            tracked is not None
+            and self._cache.batches_measured == self._measured_then
+            and not self._cache.unchanged(tracked)
+        ):
+            self._cache.forget_parameters()
+            tracked = self._cache.tracked_batch()
+        self._current = tracked
+        return tracked
+
+    def parameter_registered(self, module: torch.nn.Module, name: str, param: torch.Tensor) -> None:
+        """A parameter was put on a module (`module.weight = Parameter(...)`, pruning, weight tying): one a deferred
+        module's lines name may be gone, so each module's parameters are checked at its calls from now on."""
+        self.check_each_call = True
 
     def judge_probes(self) -> None:
         """At a check: the modules whose probed outputs nothing changed in place since their calls are deferred from
@@ -224,23 +276,28 @@ class Deferral:
             numel > STAGE_MAX_NUMEL
             or elements > MAX_DEFERRED_ELEMENTS
             or output.dtype not in _DTYPES
-            or output.is_inference()
             or _get_ident() != self._thread
         ):
+            return False
+        try:
+            version = output._version
+        except RuntimeError:  # an inference tensor keeps no version counter to tell a later change by
             return False
         params = module._parameters
         if params:
             tracked = self._cache.tracked_batch()
-            if tracked is None or site.checked is not tracked:  # its first deferred call of this batch: unchanged?
+            if tracked is not self._current:
+                tracked = self._renew(tracked)
+            if tracked is None or (self.check_each_call and site.checked is not tracked):
+                # Its first deferred call of this batch, checked now: parameters unchanged since measured?
                 lines = site.lines
-                if tracked is None or not lines.stable or not lines.unchanged(params, tracked):
+                if tracked is None or lines.remade or not lines.unchanged(params, tracked):
                     site.defer, site.changed = False, True  # recorded as it returns from now on
                     return False
                 site.checked = tracked
             named = site.lines.named
         else:
-            tracked, named = None, []
-        version = output._version
+            tracked, named = None, _NO_PARAMETERS
         last = self._last_output
         source: Any = self._last_call if arg is last and arg._version == self._last_version else None
         if source is None:
@@ -271,12 +328,14 @@ class Deferral:
         last_call: Any = None
         last_group: Any = None
         last_row = 0
+        batches: list[TrackedBatch] = []  # the parameters' batch measurements these calls' lines name
+        checked: TrackedBatch | None = None
         for index, item in enumerate(pending):
             if type(item) is not tuple:
                 continue
             site, source, output, version, batch, phase, tracked, named = item
             frame = _new(DeferredFrame)
-            frame.module_name, frame.class_name, frame.direction = site.name, site.class_name, _FORWARD
+            frame.module_name, frame.class_name = site.name, site.class_name
             frame.batch_number, frame.phase, frame._lines = batch, phase, None
             frame._tracked, frame._named = tracked, named
             if type(source) is tuple:  # the output of the deferred call before (`defer` chains to no other)
@@ -304,7 +363,17 @@ class Deferral:
             if tracked is not None and (site.screened is not settled or site.screened_batch is not tracked):
                 site.screened, site.screened_batch = settled, tracked
                 parameters.append((tracked, named))
+            if tracked is not checked and tracked is not None:
+                checked = tracked
+                batches.append(tracked)
             pending[index] = frame
+        self._current, self._measured_then = None, self._cache.batches_measured
+        if not self.check_each_call and not all(self._cache.unchanged(batch) for batch in batches):
+            # A parameter changed since its batch measurement: before a deferred call, or after it (an optimizer step
+            # the check follows)? No telling: from now on each module's parameters are checked at its first call of
+            # each batch, as it happens. (These frames show the batch measurement: a module changing its own
+            # parameters during its forward is found by its first recorded batch and never deferred.)
+            self.check_each_call = True
         with torch.no_grad():
             for group in groups.values():
                 # One row per output: its abs min and max (min and max are exact however grouped; nan propagates).

@@ -17,6 +17,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.nn.modules.module import register_module_parameter_registration_hook
+from torch.utils.hooks import RemovableHandle
 
 from nanwatch.core.compiler import (
     forget_compiled_code,
@@ -106,6 +108,7 @@ class Recorder:
         # Under torch.compile the hooks' records arrive here as the graph runs (`_take_compiled`).
         self.sink = Sink(self._take_compiled)
         self._outside: list[Callable[[], Any]] = []  # adapter hooks run from inside a graph (`outside_graph`)
+        self._registrations: RemovableHandle | None = None  # the hook that hears of parameters put on modules
 
     @property
     def pending(self) -> list[Frame]:
@@ -182,11 +185,16 @@ class Recorder:
         self._deferral.watch_parameter_sites(
             sum(1 for _, m in selected if any(p is not None for p in m._parameters.values()))
         )
+        if self._registrations is None:  # a parameter put on any module later: deferred lines checked per call
+            self._registrations = register_module_parameter_registration_hook(self._deferral.parameter_registered)
         if forget_stale:
             self.forget_stale_compiled_code([module for _, module in selected], info, warn)
         self.hooked = bool(selected)
 
     def close(self) -> None:
+        if self._registrations is not None:
+            self._registrations.remove()
+            self._registrations = None
         self.sink.close()
         self.modules.clear()
         self._outside.clear()
@@ -197,7 +205,7 @@ class Recorder:
         """The forward hook (with keyword inputs) that records `name`'s calls."""
         prefix, kernels, record = frame_key(self.sink.token, name, class_name), self._cache.kernels, self._record
         show_recomputes = self._show_recomputes
-        site, deferral = Site(name, class_name), self._deferral
+        site, defer = Site(name, class_name), self._deferral.defer
 
         def forward_hook(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
             if not self.recording:
@@ -220,7 +228,7 @@ class Recorder:
                     and not kwargs
                     and len(args) == 1
                     and not self.tracing
-                    and deferral.defer(self._pending, site, module, args[0], output)
+                    and defer(self._pending, site, module, args[0], output)
                 ):
                     if len(self._pending) > MAX_PENDING_FRAMES:
                         self._overflow()
@@ -265,12 +273,20 @@ class Recorder:
         batch = counters.batch_number if phase == "train" else counters.eval_batch_number
         self.append(Frame(site.name, site.class_name, batch, phase, entries, direction), module, args, output)
         if not site.probed and direction is _FORWARD:
-            self._probe(site, args, kwargs, output, stable=not params or known.stable)
+            self._probe(site, params, args, kwargs, output)
 
-    def _probe(self, site: Site, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any, *, stable: bool) -> None:
+    def _probe(
+        self, site: Site, params: dict[str, Any], args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
+    ) -> None:
         """A call of a module's first recorded batch: noted if its module's later calls could be deferred
-        (core/engine/deferral.py)."""
-        if stable and not self._cache.kernels and deferrable(args, kwargs, output):
+        (core/engine/deferral.py). Its parameters must be what the batch measured, as they are at the call: not
+        parameters gathered for the call (FSDP, ZeRO-3) or changed since the batch began."""
+        lines = site.lines
+        tracked = self._cache.tracked_batch() if params else None
+        if params and not (lines.stable and tracked is not None and lines.unchanged(params, tracked)):
+            site.probed = site.changed = True  # never deferred, whatever its other calls
+            return
+        if not self._cache.kernels and deferrable(args, kwargs, output):
             self._deferral.probes.append((site, output, output._version))
         else:  # a call that could not be deferred, or parameters measured apart at it: never deferred
             site.probed = True

@@ -61,8 +61,8 @@ class GradientGuard(Feature):
             return
         pairs = gradients_to_apply(optimizer)
         if pairs:
-            params = [param for param, _ in pairs]
-            self._launched = (params, self._plans.launch(params, [grad for _, grad in pairs]))
+            params, grads = map(list, zip(*pairs, strict=True))
+            self._launched = (params, self._plans.launch(params, grads))
 
     def screen(
         self, ctx: EngineContext, pending: Sequence[Frame], maxima: Mapping[tuple[Any, Any], torch.Tensor]

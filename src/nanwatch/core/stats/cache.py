@@ -8,7 +8,7 @@ batch (`stacking.StackPlan`); small activations are staged (`staging.py`) and me
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -64,7 +64,7 @@ class TrackedBatch:
     counter and storage when it was measured: a measurement holds while the parameter still has both. `stacks` and
     `alone` are what the measurements are made of, for a check that reads them all (`StackPlan.measure_whole`)."""
 
-    measurements: list[Measurement]
+    measurements: Sequence[Measurement]
     versions: list[int]
     pointers: list[int]
     stacks: list[tuple[Rows, torch.dtype]]
@@ -96,11 +96,12 @@ class StatsCache:
         # fingerprints then, in lists in the plan's order (a handful of objects per batch, not a tuple per parameter).
         self._plan: StackPlan | None = None
         self._index: dict[int, int] = {}
-        self._measured: list[Measurement] | None = None
+        self._measured: Sequence[Measurement] | None = None
         self._versions: list[int] = []
         self._pointers: list[int] = []
         self._dtypes: list[torch.dtype] = []
         self._tracked: TrackedBatch | None = None
+        self.batches_measured = 0  # how many batch measurements of the tracked parameters were made
         # The tensor looked up last: most often one module's output, about to be the next one's input.
         self._last: _ActivationHit | None = None
         # Activations by identity, and by where their values live (views sharing a measurement, `_activation_miss`).
@@ -122,16 +123,30 @@ class StatsCache:
         unique = {id(param): param for param in params if not param.is_inference()}  # no version: never cached
         self._plan = StackPlan(list(unique.values())) if unique else None
         self._index = {key: index for index, key in enumerate(unique)}
-        self._measured = None
+        self._measured = self._tracked = None
 
     def tracked_batch(self) -> TrackedBatch | None:
         """This batch's measurements of the tracked parameters, with their fingerprints then (all measured now if
         they were not yet); a new object after every `forget_parameters()`. None when no parameter is tracked."""
-        if self._measured is None:
-            if self._plan is None:
-                return None
+        tracked = self._tracked  # asked at every call of a deferred module with parameters: one read when measured
+        if tracked is None and self._plan is not None:
             self._measure_tracked()
-        return self._tracked
+            tracked = self._tracked
+        return tracked
+
+    def unchanged(self, batch: TrackedBatch) -> bool:
+        """Whether `batch` is the current batch measurement and every parameter it measured still has the version
+        counter and storage it had then (all of them at once: a few list comprehensions, not a call per module)."""
+        plan = self._plan
+        if plan is None or batch is not self._tracked:
+            return False
+        tensors = plan.tensors
+        if [tensor._version for tensor in tensors] != batch.versions:
+            return False
+        try:
+            return [tensor.data_ptr() for tensor in tensors] == batch.pointers
+        except RuntimeError:  # a wrapper subclass (DTensor) among them: no storage of its own
+            return [_pointer(tensor) for tensor in tensors] == batch.pointers
 
     def index_of(self, param: torch.Tensor) -> int | None:
         """Where `param` is in `tracked_batch()`'s lists, or None when it is not tracked (`track_parameters`)."""
@@ -174,19 +189,24 @@ class StatsCache:
     def _measure_tracked(self) -> None:
         plan = self._plan
         assert plan is not None
+        tensors = plan.tensors
+        dtypes = [tensor.dtype for tensor in tensors]
         try:
-            if not plan.fits():
+            if dtypes != plan.dtypes:
                 raise RuntimeError("dtypes changed")
             measurements, stacks, alone = plan.measure_whole(self._kernels)
         except RuntimeError:  # a parameter changed dtype, shape or device since the plan was made: make a new one
-            plan = self._plan = StackPlan(plan.tensors)
+            plan = self._plan = StackPlan(tensors)
             measurements, stacks, alone = plan.measure_whole(self._kernels)
-        tensors = plan.tensors
         self._versions = [tensor._version for tensor in tensors]
-        self._pointers = [_pointer(tensor) for tensor in tensors]
-        self._dtypes = [tensor.dtype for tensor in tensors]
+        try:
+            self._pointers = [tensor.data_ptr() for tensor in tensors]
+        except RuntimeError:  # a wrapper subclass (DTensor) among them: no storage of its own
+            self._pointers = [_pointer(tensor) for tensor in tensors]
+        self._dtypes = dtypes
         self._measured = measurements
         self._tracked = TrackedBatch(measurements, self._versions, self._pointers, stacks, alone)
+        self.batches_measured += 1
 
     def activation(self, tensor: torch.Tensor) -> Measurement:
         try:
@@ -266,7 +286,7 @@ class StatsCache:
     def forget_parameters(self) -> None:
         """Drop parameter entries (between training batches), for writes no fingerprint sees: fused optimizers."""
         self._params.clear()
-        self._measured = None
+        self._measured = self._tracked = None
 
     def forget_activations(self) -> None:
         """Drop activation entries (at the end of each batch), so ids of freed tensors are not reused by mistake."""

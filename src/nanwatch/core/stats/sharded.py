@@ -31,8 +31,8 @@ def local_shard(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def local_shards(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """`local_shard` of each of `tensors` (the list itself when torch.distributed.tensor was never imported)."""
-    kind = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
-    if kind is None:
+    """`local_shard` of each of `tensors` (the list itself when none is a tensor subclass, as in most runs)."""
+    plain = torch.Tensor
+    if all(type(tensor) is plain for tensor in tensors):
         return tensors
-    return [local_shard(tensor) if isinstance(tensor, kind) else tensor for tensor in tensors]
+    return [local_shard(tensor) for tensor in tensors]
