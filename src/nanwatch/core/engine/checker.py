@@ -13,7 +13,7 @@ import torch
 
 from nanwatch.core.config import WatchConfig
 from nanwatch.core.engine.counters import Counters
-from nanwatch.core.engine.deferral import DeferredFrame
+from nanwatch.core.engine.deferred_frames import DeferredFrame
 from nanwatch.core.engine.plugins import FeatureSet
 from nanwatch.core.engine.recorder import Recorder
 from nanwatch.core.events import EngineContext, Feature

@@ -31,24 +31,22 @@ import threading
 from typing import Any
 
 import torch
+from torch.nn.modules.module import register_module_parameter_registration_hook
+from torch.utils.hooks import RemovableHandle
 
 from nanwatch.core.engine.counters import Counters
+from nanwatch.core.engine.deferred_frames import DeferredFrame, OutputGroup, Settled
 from nanwatch.core.engine.parameter_lines import ParameterLines
-from nanwatch.core.frames import Direction, Entry, Frame, Role
 from nanwatch.core.stats.cache import StatsCache, TrackedBatch
-from nanwatch.core.stats.measure import Measurement, StackedMeasurement
-from nanwatch.core.stats.staging import STAGE_MAX_NUMEL, Rows
-from nanwatch.core.walk import OUTPUT_LABEL, input_label
+from nanwatch.core.stats.staging import STAGE_MAX_NUMEL
 
-__all__ = ["DeferredFrame", "Deferral", "Settled", "Site", "deferrable"]
+__all__ = ["Deferral", "Site", "deferrable"]
 
 # Deferred outputs are kept alive until their frames are made: at most this many elements in all (16 MiB of float32)
 # between two settlements; past it, calls are recorded as they return.
 MAX_DEFERRED_ELEMENTS = 1 << 22
 _DTYPES = frozenset((torch.float32, torch.float16, torch.bfloat16, torch.float64))
 _Tensor = torch.Tensor
-_PARAMETER, _INPUT, _OUTPUT, _FORWARD = Role.PARAMETER, Role.INPUT, Role.OUTPUT, Direction.FORWARD
-_INPUT_0 = input_label(0)
 _new = object.__new__
 _NO_PARAMETERS: list[tuple[str, int]] = []  # shared by every deferred call of a module without parameters (read only)
 _get_ident = threading.get_ident
@@ -72,93 +70,6 @@ class Site:
         # The settlement (and batch measurement) whose screen already holds its parameters: once per module.
         self.screened: Settled | None = None
         self.screened_batch: TrackedBatch | None = None
-
-
-class Settled:
-    """What the frames made from deferred calls hold, so that the check's screen need not read them line by line:
-    the stacks their outputs were measured in (every row belongs to one of those frames), the inputs measured at the
-    call, and their modules' parameters (once per module and batch measurement).
-
-    Args:
-        parameter_sites: how many watched modules have parameters: when that many deferred modules' parameters are
-            here, all from one batch measurement, the check reads that measurement whole.
-    """
-
-    __slots__ = ("stacks", "inputs", "parameters", "parameter_sites")
-
-    def __init__(self, parameter_sites: int = 0) -> None:
-        self.stacks: list[tuple[Rows, torch.dtype]] = []
-        self.inputs: list[Measurement] = []
-        self.parameters: list[tuple[TrackedBatch, list[tuple[str, int]]]] = []  # per module: the batch, its rows
-        self.parameter_sites = parameter_sites
-
-    def reads(self) -> tuple[list[tuple[Rows, torch.dtype]], list[Measurement]]:
-        """What the screen reads for these frames: stacks to read whole, and measurements one by one."""
-        measurements = list(self.inputs)
-        parameters = self.parameters
-        batches = {id(batch): batch for batch, _ in parameters}
-        if len(batches) == 1 and len(parameters) == self.parameter_sites:  # every module's: the measurement whole
-            (batch,) = batches.values()
-            measurements += batch.alone
-            return self.stacks + batch.stacks, measurements
-        for batch, named in parameters:
-            found = batch.measurements
-            measurements += [found[row] for _, row in named]
-        return self.stacks, measurements
-
-
-class DeferredFrame(Frame):
-    """The frame of a deferred call, made at the check: its lines are made when first read.
-
-    The output is row `_row` of a stack of outputs (`_group`); the input is a measurement made at the call, or a row
-    of a stack too (the output of the call before: `_source` is then that stack's group, `_source_row` the row)."""
-
-    __slots__ = ("_lines", "_tracked", "_named", "_source", "_source_row", "_group", "_row")
-    _lines: list[Entry] | None
-    _tracked: TrackedBatch | None
-    _named: list[tuple[str, int]]
-    _source: Measurement | _Group
-    _source_row: int
-    _group: _Group
-    _row: int
-    direction = _FORWARD  # a class attribute: one field less to set per frame (deferred calls are forward calls)
-
-    @property
-    def entries(self) -> list[Entry]:
-        lines = self._lines
-        if lines is None:
-            tracked = self._tracked
-            lines = [] if tracked is None else [Entry(n, _PARAMETER, tracked.measurements[i]) for n, i in self._named]
-            source = self._source
-            found = source.measurement(self._source_row) if isinstance(source, _Group) else source
-            lines.append(Entry(_INPUT_0, _INPUT, found))
-            lines.append(Entry(OUTPUT_LABEL, _OUTPUT, self._group.measurement(self._row)))
-            self._lines = lines
-        return lines
-
-    @entries.setter
-    def entries(self, lines: list[Entry]) -> None:
-        self._lines = lines
-
-
-class _Group:
-    """Deferred outputs of one dtype, shape and device, measured as one stack: `rows` once measured, and the rows'
-    measurement objects made so far (one per row however many lines show it: an output is the next module's input,
-    and its container's output, and the checks count a tensor once by its measurement)."""
-
-    __slots__ = ("outputs", "rows", "dtype", "shape", "made")
-
-    def __init__(self, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
-        self.outputs: list[torch.Tensor] = []  # until measured (then `rows`)
-        self.rows = Rows()
-        self.dtype, self.shape = dtype, shape
-        self.made: dict[int, StackedMeasurement] = {}
-
-    def measurement(self, row: int) -> StackedMeasurement:
-        found = self.made.get(row)
-        if found is None:
-            found = self.made[row] = StackedMeasurement(self.rows, row, self.dtype, self.shape)
-        return found
 
 
 def deferrable(args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> bool:
@@ -193,6 +104,7 @@ class Deferral:
         "count",
         "parameter_sites",
         "check_each_call",
+        "_registrations",
         "_current",
         "_measured_then",
         "settled",
@@ -212,6 +124,7 @@ class Deferral:
         # Whether a deferred module's parameters are checked at its first call of each batch, rather than all at
         # once when the calls are settled (see the module's docstring): from the first time a check could not tell.
         self.check_each_call = False
+        self._registrations: RemovableHandle | None = None  # the hook that hears of parameters put on modules
         # The parameters' batch measurement found current since the calls were last settled (or dropped), and how
         # many the cache had made by then: one made before is checked whole before it is named again (`_renew`).
         self._current: TrackedBatch | None = None
@@ -231,9 +144,33 @@ class Deferral:
         if probes:
             self.probes = []
 
-    def watch_parameter_sites(self, count: int) -> None:
-        """How many watched modules have parameters (the hooks were put on)."""
+    def hooked(self, modules: list[torch.nn.Module]) -> None:
+        """The recorder put its hooks on `modules`: how many have parameters, and from now on, a parameter put on any
+        module turns on the per-call check (`parameter_registered`)."""
+        count = sum(1 for module in modules if any(p is not None for p in module._parameters.values()))
         self.parameter_sites = self.settled.parameter_sites = count
+        if self._registrations is None:
+            self._registrations = register_module_parameter_registration_hook(self.parameter_registered)
+
+    def close(self) -> None:
+        if self._registrations is not None:
+            self._registrations.remove()
+            self._registrations = None
+
+    def probe(
+        self, site: Site, params: dict[str, Any], args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
+    ) -> None:
+        """A recorded call of a module's first recorded batch: noted if the module's later calls could be deferred.
+        Its parameters must be what the batch measured, as they are at the call: not weights gathered for the call
+        (FSDP, ZeRO-3) nor changed since the batch began."""
+        lines = site.lines
+        tracked = self._cache.tracked_batch() if params else None
+        if params and not (lines.stable and tracked is not None and lines.unchanged(params, tracked)):
+            site.probed = site.changed = True  # never deferred, whatever its other calls
+        elif not self._cache.kernels and deferrable(args, kwargs, output):
+            self.probes.append((site, output, output._version))
+        else:  # a call that could not be deferred, or parameters measured apart at it: never deferred
+            site.probed = True
 
     def _renew(self, tracked: TrackedBatch | None) -> TrackedBatch | None:
         """The first deferred call with parameters since the calls were last settled: a batch measurement made before
@@ -324,7 +261,9 @@ class Deferral:
         self._last_output, self._last_call, self._last_version = None, None, -1
         settled = self.settled
         inputs, parameters = settled.inputs, settled.parameters
-        groups: dict[tuple[torch.dtype, torch.Size, torch.device], _Group] = {}  # the outputs by dtype, shape, device
+        groups: dict[
+            tuple[torch.dtype, torch.Size, torch.device], OutputGroup
+        ] = {}  # the outputs by dtype, shape, device
         last_call: Any = None
         last_group: Any = None
         last_row = 0
@@ -355,7 +294,7 @@ class Deferral:
                 key = (output.dtype, output.shape, output.device)
                 group = groups.get(key)
                 if group is None:
-                    group = groups[key] = _Group(key[0], tuple(key[1]))
+                    group = groups[key] = OutputGroup(key[0], tuple(key[1]))
                 outputs = group.outputs
                 last_call, last_group, last_row = item, group, len(outputs)
                 frame._group, frame._row = group, last_row
@@ -367,16 +306,15 @@ class Deferral:
                 checked = tracked
                 batches.append(tracked)
             pending[index] = frame
+        self._check_parameters(batches)
+        with torch.no_grad():
+            settled.stacks += [(group.measure(), group.dtype) for group in groups.values()]
+
+    def _check_parameters(self, batches: list[TrackedBatch]) -> None:
+        """After settling: the parameters the settled calls' lines name, checked all at once."""
         self._current, self._measured_then = None, self._cache.batches_measured
         if not self.check_each_call and not all(self._cache.unchanged(batch) for batch in batches):
-            # A parameter changed since its batch measurement: before a deferred call, or after it (an optimizer step
-            # the check follows)? No telling: from now on each module's parameters are checked at its first call of
-            # each batch, as it happens. (These frames show the batch measurement: a module changing its own
-            # parameters during its forward is found by its first recorded batch and never deferred.)
+            # A parameter changed since its batch measurement: before a deferred call (a forward that began changing
+            # it), or after (an optimizer step the check follows)? No telling. These frames show the batch
+            # measurement; from now on each module's parameters are checked at its first call of each batch.
             self.check_each_call = True
-        with torch.no_grad():
-            for group in groups.values():
-                # One row per output: its abs min and max (min and max are exact however grouped; nan propagates).
-                values = torch.stack(group.outputs).abs_().view(len(group.outputs), -1)
-                group.rows, group.outputs = Rows(values.amin(1), values.amax(1)), []
-                settled.stacks.append((group.rows, group.dtype))

@@ -17,8 +17,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.nn.modules.module import register_module_parameter_registration_hook
-from torch.utils.hooks import RemovableHandle
 
 from nanwatch.core.compiler import (
     forget_compiled_code,
@@ -28,7 +26,8 @@ from nanwatch.core.compiler import (
     with_compiled_code,
 )
 from nanwatch.core.engine.counters import Counters
-from nanwatch.core.engine.deferral import Deferral, Settled, Site, deferrable
+from nanwatch.core.engine.deferral import Deferral, Site
+from nanwatch.core.engine.deferred_frames import Settled
 from nanwatch.core.frames import Direction, Entry, Frame, Role
 from nanwatch.core.hooks import HookSet, module_class_name, reshards_after_forward
 from nanwatch.core.log import warn
@@ -108,7 +107,6 @@ class Recorder:
         # Under torch.compile the hooks' records arrive here as the graph runs (`_take_compiled`).
         self.sink = Sink(self._take_compiled)
         self._outside: list[Callable[[], Any]] = []  # adapter hooks run from inside a graph (`outside_graph`)
-        self._registrations: RemovableHandle | None = None  # the hook that hears of parameters put on modules
 
     @property
     def pending(self) -> list[Frame]:
@@ -182,19 +180,13 @@ class Recorder:
             )
             self.modules.setdefault(name, module)
         self._cache.track_parameters(p for _, m in selected for p in m._parameters.values() if p is not None)
-        self._deferral.watch_parameter_sites(
-            sum(1 for _, m in selected if any(p is not None for p in m._parameters.values()))
-        )
-        if self._registrations is None:  # a parameter put on any module later: deferred lines checked per call
-            self._registrations = register_module_parameter_registration_hook(self._deferral.parameter_registered)
+        self._deferral.hooked([module for _, module in selected])
         if forget_stale:
             self.forget_stale_compiled_code([module for _, module in selected], info, warn)
         self.hooked = bool(selected)
 
     def close(self) -> None:
-        if self._registrations is not None:
-            self._registrations.remove()
-            self._registrations = None
+        self._deferral.close()
         self.sink.close()
         self.modules.clear()
         self._outside.clear()
@@ -273,23 +265,7 @@ class Recorder:
         batch = counters.batch_number if phase == "train" else counters.eval_batch_number
         self.append(Frame(site.name, site.class_name, batch, phase, entries, direction), module, args, output)
         if not site.probed and direction is _FORWARD:
-            self._probe(site, params, args, kwargs, output)
-
-    def _probe(
-        self, site: Site, params: dict[str, Any], args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
-    ) -> None:
-        """A call of a module's first recorded batch: noted if its module's later calls could be deferred
-        (core/engine/deferral.py). Its parameters must be what the batch measured, as they are at the call: not
-        parameters gathered for the call (FSDP, ZeRO-3) or changed since the batch began."""
-        lines = site.lines
-        tracked = self._cache.tracked_batch() if params else None
-        if params and not (lines.stable and tracked is not None and lines.unchanged(params, tracked)):
-            site.probed = site.changed = True  # never deferred, whatever its other calls
-            return
-        if not self._cache.kernels and deferrable(args, kwargs, output):
-            self._deferral.probes.append((site, output, output._version))
-        else:  # a call that could not be deferred, or parameters measured apart at it: never deferred
-            site.probed = True
+            self._deferral.probe(site, params, args, kwargs, output)
 
     def judge_probes(self) -> None:
         """At a check: the modules whose probed outputs nothing changed in place since are deferred from now on."""
