@@ -14,7 +14,9 @@ step time, its ratio to the unwatched step (the median of the per-round ratios) 
   (`ReLU(inplace=True)`), which the version only detects;
 - `copy output`: the hook copies each output into a row of a preallocated buffer (autograd off around it), reduced in
   bulk at the end: what in-place safety costs on top;
-- `nanwatch watch`: `nanwatch.watch(model, optimizer=optimizer)` and `handle.step()`.
+- `nanwatch watch`: `nanwatch.watch(model, optimizer=optimizer)` and `handle.step()`: one watcher for the whole run,
+  its hooks taken off while the others step (`HookStash`, as benchmarks/overhead.py shares its model), so its steps
+  are a long run's steady state.
 
     python benchmarks/hook_floor.py --rounds 40
 
@@ -25,14 +27,20 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
 import nanwatch
+from nanwatch.adapters import _handles
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from overhead import HookStash  # noqa: E402  (the same stash the overhead benchmark shares its model with)
 
 PAIRS, BATCH = 1000, 2
 CALLS = 2 * PAIRS + 1  # every Linear and Tanh, and the Sequential around them
@@ -55,6 +63,9 @@ class Variant:
     def detach(self) -> None:
         for handle in getattr(self, "handles", []):
             handle.remove()
+
+    def close(self) -> None:
+        """After the last round."""
 
 
 class NoHooks(Variant):
@@ -115,16 +126,36 @@ class CopyOutput(Variant):
 
 
 class Watch(Variant):
+    """One `watch()` for the whole run, as a training run has: its hooks (and its optimizer hooks) taken off while the
+    other variants step and put back for its own, so its steps are the steady state (deferred recording included),
+    not a fresh watcher's first batches."""
+
     name = "nanwatch watch"
 
+    def __init__(self) -> None:
+        self.handle: nanwatch.WatchHandle | None = None
+        self.stash: HookStash | None = None
+
     def attach(self, model: nn.Sequential, optimizer: torch.optim.Optimizer) -> None:
-        self.handle = nanwatch.watch(model, optimizer=optimizer)
+        if self.stash is None:
+            self.stash = HookStash(model, optimizer)
+            self.handle = self.stash.capture(lambda: nanwatch.watch(model, optimizer=optimizer))
+            _handles.let_go(self.handle)  # the other variants' steps must not close it as a handle left behind
+        else:
+            self.stash.put_back()
 
     def end_step(self) -> None:
+        assert self.handle is not None
         self.handle.step()
 
     def detach(self) -> None:
-        self.handle.close()
+        assert self.stash is not None
+        self.stash.take_off()
+
+    def close(self) -> None:
+        if self.stash is not None and self.handle is not None:
+            self.stash.put_back()
+            self.handle.close()
 
 
 VARIANTS: list[Callable[[], Variant]] = [NoHooks, NoopHook, KeepReference, CopyOutput, Watch]
@@ -162,12 +193,14 @@ def main() -> None:
         for variant in variants[shift:] + variants[:shift]:
             variant.attach(model, optimizer)
             try:
-                step(variant)  # untimed: a fresh attachment's first step sets things up
+                step(variant)  # untimed: the first step after attaching sets things up
                 seconds = step(variant)
             finally:
                 variant.detach()
             if round_index >= args.warmup:
                 times[variant.name].append(seconds)
+    for variant in variants:
+        variant.close()
 
     none = times[NoHooks.name]
     print(
