@@ -273,21 +273,17 @@ class Deferral:
             if type(item) is not tuple:
                 continue
             site, source, output, version, batch, phase, tracked, named = item
-            frame = _new(DeferredFrame)
-            frame.module_name, frame.class_name = site.name, site.class_name
-            frame.batch_number, frame.phase, frame._lines = batch, phase, None
-            frame._tracked, frame._named = tracked, named
             if type(source) is tuple:  # the output of the deferred call before (`defer` chains to no other)
                 if source is not last_call:
                     raise RuntimeError(f"a deferred call of {site.name!r} lost the call its input came from")
-                frame._source, frame._source_row = last_group, last_row
+                source, source_row = last_group, last_row
             else:
-                frame._source, frame._source_row = source, 0
+                source_row = 0
                 inputs.append(source)
             if type(output) is tuple:  # a container returning the output of the deferred call before
                 if output is not last_call:
                     raise RuntimeError(f"a deferred call of {site.name!r} lost the call its output came from")
-                frame._group, frame._row = last_group, last_row
+                group, row = last_group, last_row
             else:
                 if output._version != version:  # changed in place since the call: measured as it is now, and its
                     site.defer, site.changed = False, True  # module recorded as it returns from now on
@@ -297,7 +293,7 @@ class Deferral:
                     group = groups[key] = OutputGroup(key[0], tuple(key[1]))
                 outputs = group.outputs
                 last_call, last_group, last_row = item, group, len(outputs)
-                frame._group, frame._row = group, last_row
+                row = last_row
                 outputs.append(output)
             if tracked is not None and (site.screened is not settled or site.screened_batch is not tracked):
                 site.screened, site.screened_batch = settled, tracked
@@ -305,6 +301,8 @@ class Deferral:
             if tracked is not checked and tracked is not None:
                 checked = tracked
                 batches.append(tracked)
+            frame = _new(DeferredFrame)
+            frame._source = (site.name, site.class_name, batch, phase, tracked, named, source, source_row, group, row)
             pending[index] = frame
         self._check_parameters(batches)
         with torch.no_grad():

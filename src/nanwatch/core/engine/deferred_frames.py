@@ -16,7 +16,7 @@ from nanwatch.core.stats.measure import Measurement, StackedMeasurement
 from nanwatch.core.stats.staging import Rows
 from nanwatch.core.walk import OUTPUT_LABEL, input_label
 
-__all__ = ["DeferredFrame", "OutputGroup", "Settled"]
+__all__ = ["DeferredFrame", "FrameSource", "OutputGroup", "Settled"]
 
 _PARAMETER, _INPUT, _OUTPUT, _FORWARD = Role.PARAMETER, Role.INPUT, Role.OUTPUT, Direction.FORWARD
 _INPUT_0 = input_label(0)
@@ -55,33 +55,60 @@ class Settled:
         return self.stacks, measurements
 
 
+# What a deferred call's frame is made from: its module's name and class, micro-batch and phase, the parameters'
+# batch measurement with the names and rows of the module's parameters in it, the input (a measurement made at the
+# call, or an `OutputGroup` whose row `source_row` it is) and the output (row `row` of `group`).
+FrameSource = tuple[
+    str,
+    str,
+    int,
+    str,
+    "TrackedBatch | None",
+    list[tuple[str, int]],
+    "Measurement | OutputGroup",
+    int,
+    "OutputGroup",
+    int,
+]
+
+
 class DeferredFrame(Frame):
-    """The frame of a deferred call, made at the check: its lines are made when first read.
+    """The frame of a deferred call, made at the check from one tuple (`FrameSource`: one slot to set per frame, the
+    fields read from it); its lines are made when first read. Its fields are its call's: they cannot be set."""
 
-    The output is row `_row` of a stack of outputs (`_group`); the input is a measurement made at the call, or a row
-    of a stack too (the output of the call before: `_source` is then that stack's group, `_source_row` the row)."""
+    __slots__ = ("_source", "_lines")
+    _source: FrameSource
+    _lines: list[Entry]
+    direction = _FORWARD  # a class attribute: deferred calls are forward calls
 
-    __slots__ = ("_lines", "_tracked", "_named", "_source", "_source_row", "_group", "_row")
-    _lines: list[Entry] | None
-    _tracked: TrackedBatch | None
-    _named: list[tuple[str, int]]
-    _source: Measurement | OutputGroup
-    _source_row: int
-    _group: OutputGroup
-    _row: int
-    direction = _FORWARD  # a class attribute: one field less to set per frame (deferred calls are forward calls)
+    @property
+    def module_name(self) -> str:  # type: ignore[override]
+        return self._source[0]
+
+    @property
+    def class_name(self) -> str:  # type: ignore[override]
+        return self._source[1]
+
+    @property
+    def batch_number(self) -> int:  # type: ignore[override]
+        return self._source[2]
+
+    @property
+    def phase(self) -> str:  # type: ignore[override]
+        return self._source[3]
 
     @property
     def entries(self) -> list[Entry]:
-        lines = self._lines
-        if lines is None:
-            tracked = self._tracked
-            lines = [] if tracked is None else [Entry(n, _PARAMETER, tracked.measurements[i]) for n, i in self._named]
-            source = self._source
-            found = source.measurement(self._source_row) if isinstance(source, OutputGroup) else source
-            lines.append(Entry(_INPUT_0, _INPUT, found))
-            lines.append(Entry(OUTPUT_LABEL, _OUTPUT, self._group.measurement(self._row)))
-            self._lines = lines
+        try:
+            return self._lines
+        except AttributeError:  # not read yet
+            pass
+        _, _, _, _, tracked, named, source, source_row, group, row = self._source
+        lines = [] if tracked is None else [Entry(name, _PARAMETER, tracked.measurements[i]) for name, i in named]
+        found = source.measurement(source_row) if isinstance(source, OutputGroup) else source
+        lines.append(Entry(_INPUT_0, _INPUT, found))
+        lines.append(Entry(OUTPUT_LABEL, _OUTPUT, group.measurement(row)))
+        self._lines = lines
         return lines
 
     @entries.setter
