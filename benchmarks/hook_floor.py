@@ -161,6 +161,17 @@ class Watch(Variant):
 VARIANTS: list[Callable[[], Variant]] = [NoHooks, NoopHook, KeepReference, CopyOutput, Watch]
 
 
+def dispatch_step() -> tuple[nn.Sequential, torch.Tensor, torch.optim.Optimizer]:
+    """Issue 21's step: the model, its batch and its optimizer (also benchmarks/step_parts.py's)."""
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(PAIRS):
+        layers += [nn.Linear(4, 4), nn.Tanh()]
+    model = nn.Sequential(*layers)
+    inputs = torch.randn(BATCH, 4)
+    return model, inputs, torch.optim.SGD(model.parameters(), lr=1e-5, foreach=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=40, help="paired rounds (every variant once per round)")
@@ -170,13 +181,7 @@ def main() -> None:
     if args.rounds < 1 or args.warmup < 0:
         parser.error(f"--rounds must be positive and --warmup not negative, got {args.rounds}, {args.warmup}")
     torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
-    layers: list[nn.Module] = []
-    for _ in range(PAIRS):
-        layers += [nn.Linear(4, 4), nn.Tanh()]
-    model = nn.Sequential(*layers)
-    inputs = torch.randn(BATCH, 4)
-    optimizer = torch.optim.SGD(model.parameters(), lr=1e-5, foreach=True)
+    model, inputs, optimizer = dispatch_step()
     variants = [make() for make in VARIANTS]
 
     def step(variant: Variant) -> float:

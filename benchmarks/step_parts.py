@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
 import nanwatch
 from nanwatch.core.engine.checker import Checker
@@ -30,7 +31,9 @@ from nanwatch.core.engine.deferral import Deferral
 from nanwatch.core.features.guard import GradientGuard
 from nanwatch.core.stats.cache import StatsCache
 
-PAIRS, BATCH = 1000, 2
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from hook_floor import BATCH, PAIRS, dispatch_step  # noqa: E402  (the same step)
+
 PARTS: list[tuple[type, str, str]] = [
     (StatsCache, "_measure_tracked", "parameters' batch measurement"),
     (Deferral, "settle", "deferred calls made into frames"),
@@ -64,13 +67,7 @@ def main() -> None:
     if args.steps < 1:
         parser.error(f"--steps must be positive, got {args.steps}")
     torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
-    layers: list[nn.Module] = []
-    for _ in range(PAIRS):
-        layers += [nn.Linear(4, 4), nn.Tanh()]
-    model = nn.Sequential(*layers)
-    inputs = torch.randn(BATCH, 4)
-    optimizer = torch.optim.SGD(model.parameters(), lr=1e-5, foreach=True)
+    model, inputs, optimizer = dispatch_step()
 
     def run(handle: nanwatch.WatchHandle | None, spent: dict[str, float]) -> dict[str, float]:
         phases: dict[str, list[float]] = {"forward": [], "backward": [], "optimizer step and check": []}
