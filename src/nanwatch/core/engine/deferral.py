@@ -64,8 +64,8 @@ class Site:
         self.defer = False  # its calls may be deferred
         self.probed = False  # its first recorded batch was judged (or a call showed it never can be)
         self.changed = False  # an output was changed in place after its call, or a parameter within a batch: never
-        # The batch measurement of the parameters its deferred calls were last found unchanged against (checked at
-        # its first deferred call of each batch).
+        # The batch measurement its parameters were last found unchanged against at a deferred call (once the
+        # parameters are checked per call: at its first deferred call of each batch).
         self.checked: TrackedBatch | None = None
         # The settlement (and batch measurement) whose screen already holds its parameters: once per module.
         self.screened: Settled | None = None
