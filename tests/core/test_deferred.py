@@ -5,6 +5,9 @@ the numbers computed directly (the same tensors; abs min and max are exact, so e
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 from tests.engine_helpers import deferred_calls
@@ -257,3 +260,18 @@ def test_a_module_whose_weights_are_put_in_place_for_its_call_is_never_deferred(
         assert _line(_frames_of(watcher, batch)[1], "weight") == _range(model[1].weight), f"batch {batch}"
         watcher.end_batch()
     watcher.close()
+
+
+def test_a_watcher_left_open_and_dropped_lets_its_model_go() -> None:
+    """The hook that hears of parameters put on modules is torch's, for the whole process: it must not keep a watcher
+    nobody closed (a notebook cell that raised), nor the weights its cache tracks, once the model is dropped."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+    watcher = Watcher(model, WatchConfig())
+    watcher.attach()
+    for _ in range(3):
+        model(torch.randn(2, 4))
+        watcher.end_batch()
+    weight = weakref.ref(model[0].weight)
+    del model, watcher
+    gc.collect()
+    assert weight() is None

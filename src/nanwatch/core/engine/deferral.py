@@ -28,6 +28,8 @@ does the same at once.
 from __future__ import annotations
 
 import threading
+import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -72,6 +74,18 @@ class Site:
         self.screened_batch: TrackedBatch | None = None
 
 
+def _heard_by(deferral: weakref.ref[Deferral]) -> Callable[[torch.nn.Module, str, torch.Tensor], None]:
+    """torch's parameter-registration hook for `deferral`, holding it weakly: the hook is the whole process's, and a
+    watcher nobody closed must not live on through it (nor the weights its cache tracks)."""
+
+    def registered(module: torch.nn.Module, name: str, param: torch.Tensor) -> None:
+        found = deferral()
+        if found is not None:
+            found.parameter_registered(module, name, param)
+
+    return registered
+
+
 def deferrable(args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> bool:
     """One plain tensor in, one plain floating-point tensor out, no keywords, neither an inference tensor (no version
     counter to tell a change by)."""
@@ -97,6 +111,7 @@ class Deferral:
     """The deferred calls of one recorder: kept by `defer`, made into frames by `settle`."""
 
     __slots__ = (
+        "__weakref__",
         "_counters",
         "_cache",
         "_thread",
@@ -150,7 +165,7 @@ class Deferral:
         count = sum(1 for module in modules if any(p is not None for p in module._parameters.values()))
         self.parameter_sites = self.settled.parameter_sites = count
         if self._registrations is None:
-            self._registrations = register_module_parameter_registration_hook(self.parameter_registered)
+            self._registrations = register_module_parameter_registration_hook(_heard_by(weakref.ref(self)))
 
     def close(self) -> None:
         if self._registrations is not None:
