@@ -115,7 +115,7 @@ class AdapterContract(EngineState, Protocol):
         self, scaler: GradScalerLike, *, read_scale: Literal["at_batch_end", "when_settled"] = "at_batch_end"
     ) -> None:
         """Follow a `torch.amp.GradScaler`: inf/nan gradients on steps it skips are expected (core/features/
-        loss_scale.py). `read_scale`: when its scale is read, as each micro-batch ends or at the "settled" stage.
+        loss_scale/). `read_scale`: when its scale is read, as each micro-batch ends or at the "settled" stage.
 
         Raises:
             TypeError: `scaler` is not a GradScaler.

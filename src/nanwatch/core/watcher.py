@@ -46,11 +46,7 @@ from nanwatch.core.gcpause import pause_collection, resume_collection
 from nanwatch.core.hooks import HookSet, named_unique_modules
 from nanwatch.core.log import get_logger, warn
 from nanwatch.core.ranks import Detection, world_size_and_rank
-from nanwatch.core.readouts import (
-    GradScalerLike,
-    Summary,
-    checked_scaler,
-)
+from nanwatch.core.readouts import GradScalerLike, Summary, checked_scaler
 from nanwatch.core.report import Report
 from nanwatch.core.scope import select_modules
 from nanwatch.errors import BatchLimitReached

@@ -1,4 +1,4 @@
-"""core/features/loss_scale.py: nanwatch under a real `torch.amp.GradScaler` on the CPU, with float16 and bfloat16
+"""core/features/loss_scale/: nanwatch under a real `torch.amp.GradScaler` on the CPU, with float16 and bfloat16
 autocast.
 
 Inf gradients on steps the scaler skips are expected (recorded, the run goes on, the scale history kept); a scale
@@ -23,8 +23,8 @@ from tests.models import InfInBackward, small_mlp
 from torch import nn
 
 from nanwatch import ConfigError, LossScaleBelowFloor, NonFiniteError, WatchConfig, WatchHandle, watch
-from nanwatch.core.features import loss_scale as loss_scale_feature
 from nanwatch.core.features.loss_scale import LossScaleHistory, ScaleRecord
+from nanwatch.core.features.loss_scale import monitor as loss_scale_monitor
 from nanwatch.core.frames import resolve
 from nanwatch.core.watcher import Watcher
 
@@ -34,7 +34,7 @@ COPIED = "copied in the hook"
 @pytest.fixture(autouse=True, params=["read at once", COPIED])
 def scale_reading(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     if request.param == COPIED:  # as on a GPU: no device reads the scale at once
-        monkeypatch.setattr(loss_scale_feature, "READ_AT_ONCE_ON", frozenset())
+        monkeypatch.setattr(loss_scale_monitor, "READ_AT_ONCE_ON", frozenset())
     return str(request.param)
 
 

@@ -10,7 +10,7 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from nanwatch.core.config.messages import describe, echo
 from nanwatch.core.config.reading import MAX_VALUES, read_config_file, too_many_values
@@ -224,12 +224,13 @@ class WatchConfig(BaseModel):
             except ValidationError as error:
                 raise ConfigError(_describe(error, "WatchConfig")) from None
 
-    @field_validator("headroom_warn_fraction", mode="before")
+    @field_validator("headroom_warn_fraction", "underflow_warn_fraction", mode="before")
     @classmethod
-    def _zero_switches_headroom_off(cls, value: Any) -> Any:
+    def _a_number_not_a_boolean(cls, value: Any, info: ValidationInfo) -> Any:
         if isinstance(value, bool):
-            raise ValueError(f"expected a number in (0, 1] or null, not a boolean, got {value!r}")
-        return None if value == 0 else value
+            raise ValueError(f"expected a number in (0, 1], not a boolean, got {value!r}")
+        # 0 switches the headroom warnings off, as null does.
+        return None if value == 0 and info.field_name == "headroom_warn_fraction" else value
 
     @field_validator("headroom_warn_fraction", "underflow_warn_fraction")
     @classmethod
@@ -238,26 +239,13 @@ class WatchConfig(BaseModel):
             raise ValueError(f"expected a fraction with 0 < x <= 1, got {value!r}")
         return value
 
-    @field_validator("underflow_warn_fraction", mode="before")
+    @field_validator("trace_batch_nums", "trace_ranks")
     @classmethod
-    def _fraction_not_boolean(cls, value: Any) -> Any:
-        if isinstance(value, bool):
-            raise ValueError(f"expected a number in (0, 1], not a boolean, got {value!r}")
-        return value
-
-    @field_validator("trace_batch_nums")
-    @classmethod
-    def _non_negative_batches(cls, value: list[int]) -> list[int]:
-        negative = [n for n in value if n < 0]
+    def _nothing_negative(cls, value: Any, info: ValidationInfo) -> Any:
+        negative = [n for n in value if n < 0] if isinstance(value, list) else []
         if negative:
-            raise ValueError(f"batch numbers are 0-indexed and cannot be negative, got {negative}")
-        return value
-
-    @field_validator("trace_ranks")
-    @classmethod
-    def _non_negative_ranks(cls, value: Literal["zero", "all"] | list[int]) -> Literal["zero", "all"] | list[int]:
-        if isinstance(value, list) and any(r < 0 for r in value):
-            raise ValueError(f"ranks cannot be negative, got {value}")
+            what = "batch numbers are 0-indexed and" if info.field_name == "trace_batch_nums" else "ranks"
+            raise ValueError(f"{what} cannot be negative, got {negative}")
         return value
 
     @field_validator(
