@@ -275,3 +275,38 @@ def test_a_watcher_left_open_and_dropped_lets_its_model_go() -> None:
     del model, watcher
     gc.collect()
     assert weight() is None
+
+
+class _TwiceLater(nn.Module):
+    """One Linear called twice; once `scale` is set, its weight is doubled in place between the two calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(3, 3)
+        self.scale = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        first = self.layer(x)
+        if self.scale:
+            with torch.no_grad():
+                self.layer.weight.mul_(2.0)
+        return self.layer(first)
+
+
+def test_a_weight_that_starts_changing_between_two_calls_is_measured_at_each_call_again() -> None:
+    """Deferred from batch 1; from batch 2 the weight doubles between the module's two calls of a forward. From the
+    batch after the check that found it on, each call's line is the weight that call used."""
+    torch.manual_seed(0)
+    model = _TwiceLater()
+    watcher = Watcher(model, WatchConfig(max_frames_to_save=50))
+    watcher.attach()
+    for batch in range(5):
+        model.scale = batch >= 2
+        before = _range(model.layer.weight)
+        model(torch.randn(2, 3))
+        if batch >= 3:
+            first, second, _root = _frames_of(watcher, batch)
+            assert _line(first, "weight") == before, f"batch {batch}"
+            assert _line(second, "weight") == _range(model.layer.weight), f"batch {batch}"
+        watcher.end_batch()
+    watcher.close()

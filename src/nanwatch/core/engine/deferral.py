@@ -20,8 +20,8 @@ recorded batch shows that the measurement is what its call used (not weights gat
 ZeRO-3 do, nor changed since the batch began). After that the parameters are checked all at once, at the check: a
 measurement kept from an earlier batch (evaluation) is checked whole before it is named again, and one whose
 parameters changed by the check (an optimizer step the check follows, or a forward that began changing them) cannot
-say whether that was before a call or after, so from then on each module's parameters are checked at its first call
-of each batch, as they are for a recorded module. A parameter put on any module (`module.weight = Parameter(...)`)
+say whether that was before a call or after, so from then on each module's parameters are checked at each of its
+calls, as they are for a recorded module. A parameter put on any module (`module.weight = Parameter(...)`)
 does the same at once.
 """
 
@@ -58,7 +58,7 @@ class Site:
     """One watched module, as the recorder knows it: its names, its parameter lines, and whether its calls may be
     deferred."""
 
-    __slots__ = ("name", "class_name", "lines", "defer", "probed", "changed", "checked", "screened", "screened_batch")
+    __slots__ = ("name", "class_name", "lines", "defer", "probed", "changed", "screened", "screened_batch")
 
     def __init__(self, name: str, class_name: str) -> None:
         self.name, self.class_name = name, class_name
@@ -66,9 +66,6 @@ class Site:
         self.defer = False  # its calls may be deferred
         self.probed = False  # its first recorded batch was judged (or a call showed it never can be)
         self.changed = False  # an output was changed in place after its call, or a parameter within a batch: never
-        # The batch measurement its parameters were last found unchanged against at a deferred call (once the
-        # parameters are checked per call: at its first deferred call of each batch).
-        self.checked: TrackedBatch | None = None
         # The settlement (and batch measurement) whose screen already holds its parameters: once per module.
         self.screened: Settled | None = None
         self.screened_batch: TrackedBatch | None = None
@@ -136,8 +133,8 @@ class Deferral:
         self.probes: list[tuple[Site, torch.Tensor, int]] = []  # calls of modules in their first recorded batch
         self.count = 0  # deferred calls pending
         self.parameter_sites = 0  # watched modules with parameters (`Settled`)
-        # Whether a deferred module's parameters are checked at its first call of each batch, rather than all at
-        # once when the calls are settled (see the module's docstring): from the first time a check could not tell.
+        # Whether a deferred module's parameters are checked at each of its calls, rather than all at once when the
+        # calls are settled (see the module's docstring): from the first time a check could not tell.
         self.check_each_call = False
         self._registrations: RemovableHandle | None = None  # the hook that hears of parameters put on modules
         # The parameters' batch measurement found current since the calls were last settled (or dropped), and how
@@ -240,13 +237,11 @@ class Deferral:
             tracked = self._cache.tracked_batch()
             if tracked is not self._current:
                 tracked = self._renew(tracked)
-            if tracked is None or (self.check_each_call and site.checked is not tracked):
-                # Its first deferred call of this batch, checked now: parameters unchanged since measured?
+            if tracked is None or self.check_each_call:  # checked at the call: unchanged since measured?
                 lines = site.lines
                 if tracked is None or lines.remade or not lines.unchanged(params, tracked):
                     site.defer, site.changed = False, True  # recorded as it returns from now on
                     return False
-                site.checked = tracked
             named = site.lines.named
         else:
             tracked, named = None, _NO_PARAMETERS
@@ -329,5 +324,5 @@ class Deferral:
         if not self.check_each_call and not all(self._cache.unchanged(batch) for batch in batches):
             # A parameter changed since its batch measurement: before a deferred call (a forward that began changing
             # it), or after (an optimizer step the check follows)? No telling. These frames show the batch
-            # measurement; from now on each module's parameters are checked at its first call of each batch.
+            # measurement; from now on each module's parameters are checked at each of its calls.
             self.check_each_call = True
