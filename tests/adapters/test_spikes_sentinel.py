@@ -36,6 +36,20 @@ def _data() -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     return [(x, y, _boost(index)) for index, (x, y) in enumerate(batches(STEPS, size=16))]
 
 
+def _train_plain(model: nn.Module, report_dir: Path) -> int:
+    """The plain loop in sentinel mode over `_data()`, a functional loss given to `watch_loss`: the steps it took."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
+    steps = 0
+    with watch(model, optimizer=optimizer, report_dir=report_dir, **SENTINEL) as handle:
+        for x, y, boost in _data():
+            optimizer.zero_grad()
+            handle.watch_loss(nn.functional.mse_loss(model(x, boost), y)).backward()
+            optimizer.step()
+            handle.step()
+            steps += 1
+    return steps
+
+
 def _spike_report(report_dir: Path, batch: int = SPIKE_AT) -> dict[str, Any]:
     path = report_dir / f"nanwatch-spike-rank0-batch{batch}.json"
     assert path.exists(), sorted(p.name for p in report_dir.glob("*"))
@@ -56,13 +70,7 @@ def _assert_named_by_replay(report: dict[str, Any], prefix: str = "") -> None:
 
 def test_plain_sentinel_replays_the_spike_and_names_the_module(tmp_path: Path) -> None:
     model = Boosted()
-    optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
-    with watch(model, optimizer=optimizer, report_dir=tmp_path, **SENTINEL) as handle:
-        for x, y, boost in _data():
-            optimizer.zero_grad()
-            handle.watch_loss(nn.functional.mse_loss(model(x, boost), y)).backward()
-            optimizer.step()
-            handle.step()
+    _train_plain(model, tmp_path)
 
     report = _spike_report(tmp_path)
     assert {signal["signal"] for signal in report["signals"]} == {"loss", "gradients"}
@@ -131,15 +139,7 @@ def test_plain_sentinel_a_replay_that_fails_still_reports_the_spike_and_the_run_
             return super().forward(x, boost)
 
     model = NeedsAutograd()
-    optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
-    steps = 0
-    with watch(model, optimizer=optimizer, report_dir=tmp_path, **SENTINEL) as handle:
-        for x, y, boost in _data():
-            optimizer.zero_grad()
-            handle.watch_loss(nn.functional.mse_loss(model(x, boost), y)).backward()
-            optimizer.step()
-            handle.step()
-            steps += 1
+    steps = _train_plain(model, tmp_path)
 
     assert steps == STEPS
     report = _spike_report(tmp_path)

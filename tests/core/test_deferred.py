@@ -115,20 +115,26 @@ def test_an_in_place_change_that_starts_later_stops_the_deferral_from_then_on() 
     watcher.close()
 
 
-def test_a_weight_changed_between_two_calls_of_a_batch_is_measured_again_in_later_batches() -> None:
-    class Twice(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.layer = nn.Linear(3, 3)
+class _TwiceLater(nn.Module):
+    """One Linear called twice; once `scale` is set, its weight is doubled in place between the two calls."""
 
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            first = self.layer(x)
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(3, 3)
+        self.scale = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        first = self.layer(x)
+        if self.scale:
             with torch.no_grad():
-                self.layer.weight.mul_(2)
-            return self.layer(first)
+                self.layer.weight.mul_(2.0)
+        return self.layer(first)
 
+
+def test_a_weight_changed_between_two_calls_of_a_batch_is_measured_again_in_later_batches() -> None:
     torch.manual_seed(0)
-    model = Twice()
+    model = _TwiceLater()
+    model.scale = True  # from the first batch on
     watcher = Watcher(model, WatchConfig(max_frames_to_save=50))
     watcher.attach()
     for batch in range(3):
@@ -275,22 +281,6 @@ def test_a_watcher_left_open_and_dropped_lets_its_model_go() -> None:
     del model, watcher
     gc.collect()
     assert weight() is None
-
-
-class _TwiceLater(nn.Module):
-    """One Linear called twice; once `scale` is set, its weight is doubled in place between the two calls."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.layer = nn.Linear(3, 3)
-        self.scale = False
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        first = self.layer(x)
-        if self.scale:
-            with torch.no_grad():
-                self.layer.weight.mul_(2.0)
-        return self.layer(first)
 
 
 def test_a_weight_that_starts_changing_between_two_calls_is_measured_at_each_call_again() -> None:

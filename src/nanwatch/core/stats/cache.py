@@ -28,6 +28,14 @@ def _pointer(tensor: torch.Tensor) -> int:
         return 0
 
 
+def _pointers(tensors: list[torch.Tensor]) -> list[int]:
+    """`_pointer` of each tensor: one comprehension of `data_ptr()` unless a wrapper subclass is among them."""
+    try:
+        return [tensor.data_ptr() for tensor in tensors]
+    except RuntimeError:  # a wrapper subclass (DTensor) among them: no storage of its own
+        return [_pointer(tensor) for tensor in tensors]
+
+
 def _view_root(tensor: torch.Tensor) -> torch.Tensor:
     base = tensor._base
     return tensor if base is None else base
@@ -143,10 +151,7 @@ class StatsCache:
         tensors = plan.tensors
         if [tensor._version for tensor in tensors] != batch.versions:
             return False
-        try:
-            return [tensor.data_ptr() for tensor in tensors] == batch.pointers
-        except RuntimeError:  # a wrapper subclass (DTensor) among them: no storage of its own
-            return [_pointer(tensor) for tensor in tensors] == batch.pointers
+        return _pointers(tensors) == batch.pointers
 
     def index_of(self, param: torch.Tensor) -> int | None:
         """Where `param` is in `tracked_batch()`'s lists, or None when it is not tracked (`track_parameters`)."""
@@ -199,10 +204,7 @@ class StatsCache:
             plan = self._plan = StackPlan(tensors)
             measurements, stacks, alone = plan.measure_whole(self._kernels)
         self._versions = [tensor._version for tensor in tensors]
-        try:
-            self._pointers = [tensor.data_ptr() for tensor in tensors]
-        except RuntimeError:  # a wrapper subclass (DTensor) among them: no storage of its own
-            self._pointers = [_pointer(tensor) for tensor in tensors]
+        self._pointers = _pointers(tensors)
         self._dtypes = dtypes
         self._measured = measurements
         self._tracked = TrackedBatch(measurements, self._versions, self._pointers, stacks, alone)
