@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from nanwatch.core.board import DetectionBoard
+from nanwatch.core.engine.deferred_frames import DeferredFrame
 from nanwatch.core.features.headroom import HeadroomMonitor
 from nanwatch.core.features.loss_scale import LossScaleFeature, LossScaleMonitor
 from nanwatch.core.features.summary import SummaryFeature
@@ -50,7 +51,12 @@ def held_frame_counts(watcher: Watcher) -> tuple[int, int, int]:
 def deferred_calls(watcher: Watcher) -> int:
     """How many calls of the micro-batch in progress were deferred (engine/deferral.py), read before anything reads
     the pending frames (which makes their frames)."""
-    return watcher._recorder._deferral.count
+    deferral = watcher._recorder._deferral
+    return sum(
+        1
+        for frame in watcher._recorder._pending
+        if type(frame) is DeferredFrame and frame._source[6] is deferral._outputs  # this round's, not yet measured
+    )
 
 
 def use_board(watcher: Watcher, board: DetectionBoard) -> None:

@@ -60,6 +60,43 @@ def test_a_chain_of_small_modules_is_deferred_and_records_the_same_numbers() -> 
     watcher.close()
 
 
+class _Cast(nn.Module):
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.dtype = dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.to(self.dtype)
+
+
+@pytest.mark.parametrize("dtypes", ["one", "several"])
+def test_deferred_outputs_of_one_shape_keep_each_its_own_dtype_and_numbers(dtypes: str) -> None:
+    """Outputs of one shape are measured in one stack when they share a dtype; a stack would turn a bfloat16 output
+    into float32, so outputs of several dtypes go in one stack per dtype. Each line keeps its output's dtype and
+    numbers either way."""
+    torch.manual_seed(0)
+    cast: list[nn.Module] = [_Cast(torch.bfloat16), nn.Tanh(), _Cast(torch.float32)] if dtypes == "several" else []
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), *cast, nn.Linear(4, 4))
+    watcher = Watcher(model, WatchConfig(max_frames_to_save=50))
+    watcher.attach()
+    for batch in range(3):
+        x = torch.randn(5, 4)
+        model(x)
+        deferred = deferred_calls(watcher)
+        frames = _frames_of(watcher, batch)
+        watcher.end_batch()
+    watcher.close()
+    assert deferred == len(model) + 1, "every module and the Sequential around them"
+    value, expected = x, []
+    with torch.no_grad():
+        for module in model:  # unwatched now
+            value = module(value)
+            expected.append((str(value.dtype).removeprefix("torch."), _range(value)))
+    outputs = [(frame.entries[-1].dtype, _line(frame, "output")) for frame in frames[:-1]]
+    assert outputs == expected
+    assert frames[-1].entries[-1].dtype == "float32"
+
+
 def test_an_output_changed_in_place_after_its_call_is_never_deferred() -> None:
     """ReLU(inplace=True) overwrites the Linear's output after its hook ran: the first batch shows it, so the Linear
     is recorded as it returns in every batch, and its line keeps the values from before the ReLU."""

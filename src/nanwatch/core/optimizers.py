@@ -2,18 +2,28 @@
 
 from __future__ import annotations
 
+from itertools import repeat
+from operator import attrgetter, is_
+
 import torch
 
 __all__ = ["gradients_to_apply", "skips_this_step"]
 
+_grad_of = attrgetter("grad")
 
-def gradients_to_apply(optimizer: torch.optim.Optimizer) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """`(parameter, gradient)` for every parameter of the optimizer's groups that has a gradient, read now.
 
-    Read at step time, so a parameter unfrozen after watching began, or a group added later, is covered too.
+def gradients_to_apply(optimizer: torch.optim.Optimizer) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The parameters of the optimizer's groups that have a gradient, and their gradients, read now.
+
+    Read at step time, so a parameter unfrozen after watching began, or a group added later, is covered too. Read at
+    every step of a long run: the gradients are read and tested in C (one Python step per parameter, not four).
     """
-    groups = optimizer.param_groups
-    return [(param, grad) for group in groups for param in group["params"] if (grad := param.grad) is not None]
+    params = [param for group in optimizer.param_groups for param in group["params"]]
+    grads = list(map(_grad_of, params))
+    if any(map(is_, grads, repeat(None))):  # some have none (frozen, or unused this step): left out
+        kept = [(param, grad) for param, grad in zip(params, grads, strict=True) if grad is not None]
+        params, grads = [param for param, _ in kept], [grad for _, grad in kept]
+    return params, grads
 
 
 def skips_this_step(optimizer: torch.optim.Optimizer | None) -> bool:

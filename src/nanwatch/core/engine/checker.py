@@ -8,6 +8,7 @@ report; a report ends at the first non-finite frame and goes back as far as `max
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from itertools import filterfalse
 
 import torch
 
@@ -24,6 +25,8 @@ from nanwatch.core.stats.cache import StatsCache
 from nanwatch.core.stats.readback import read_flags, stack_maxima
 
 __all__ = ["Checker"]
+
+_is_deferred = DeferredFrame.__instancecheck__  # (no subclasses)
 
 
 class Checker:
@@ -132,8 +135,7 @@ class Checker:
             # parameters and inputs once (core/engine/deferral.py).
             measurements = [
                 entry.measurement
-                for frame in frames
-                if type(frame) is not DeferredFrame
+                for frame in filterfalse(_is_deferred, frames)  # the frames recorded as they returned (few), found in C
                 for entry in frame.entries
                 if entry.measurement
             ]

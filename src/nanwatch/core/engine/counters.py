@@ -24,13 +24,47 @@ class Counters:
     """
 
     def __init__(self, logger: logging.Logger) -> None:
-        self.phase: Phase = "train"
-        self.batch_number = 0
-        self.eval_batch_number = 0
+        self._phase: Phase = "train"
+        self._batch_number = 0
+        self._eval_batch_number = 0
+        # `(current_batch, phase)`, kept as the three change: what every frame made from now on carries (read at each
+        # module call, where two attribute reads and a test add up).
+        self.stamp: tuple[int, Phase] = (0, "train")
         self.optimizer_step: int | None = None
         self.epoch: int | None = None
         self.batch_started = False  # a training forward ran since the last training micro-batch ended
         self._logger = logger
+
+    @property
+    def phase(self) -> Phase:
+        return self._phase
+
+    @phase.setter
+    def phase(self, phase: Phase) -> None:
+        self._phase = phase
+        self._restamp()
+
+    @property
+    def batch_number(self) -> int:
+        return self._batch_number
+
+    @batch_number.setter
+    def batch_number(self, number: int) -> None:
+        self._batch_number = number
+        self._restamp()
+
+    @property
+    def eval_batch_number(self) -> int:
+        return self._eval_batch_number
+
+    @eval_batch_number.setter
+    def eval_batch_number(self, number: int) -> None:
+        self._eval_batch_number = number
+        self._restamp()
+
+    def _restamp(self) -> None:
+        phase = self._phase
+        self.stamp = (self._batch_number if phase == "train" else self._eval_batch_number, phase)
 
     @property
     def current_batch(self) -> int:

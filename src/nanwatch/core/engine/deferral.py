@@ -1,12 +1,13 @@
-"""Deferred recording: the recorder's common call made into a frame at the check instead of as it returns.
+"""Deferred recording: the recorder's common call measured at the check instead of as it returns.
 
 On a model of many small modules a watched call costs what its Python costs, and most of that was building the frame
 (its lines, the measurement objects) and copying the output aside. A call with one tensor in and one small
-floating-point tensor out (no keywords) is deferred instead once its module has earned it: the hook keeps the
-output and its version counter in the pending list, where its frame will go, and `settle` measures every such output
-at once when the frames are next read (the check), in one stack per dtype, shape and device. The frame it puts in the
-list, a `DeferredFrame`, makes its lines only when something reads them: the check reads the stacks whole, and of a
-clean batch only the ring's last few frames are ever shown.
+floating-point tensor out (no keywords) is deferred instead once its module has earned it: the hook puts a
+`DeferredFrame` in the pending list, made from one tuple, and keeps the output and its version counter with the
+round's other deferred outputs (`DeferredOutputs`); `settle` measures them all at once when the frames are next read
+(the check), in one stack (one per dtype, shape and device where they differ). The frame makes its lines only when
+something reads them: the check reads the stacks whole, and of a clean batch only the ring's last few frames are
+ever shown.
 
 What a frame says does not change. A module's first recorded batch runs as before and is probed (`Site`): each
 eligible call's output and version counter are noted, and at the check a module whose outputs nothing changed in
@@ -37,7 +38,7 @@ from torch.nn.modules.module import register_module_parameter_registration_hook
 from torch.utils.hooks import RemovableHandle
 
 from nanwatch.core.engine.counters import Counters
-from nanwatch.core.engine.deferred_frames import DeferredFrame, OutputGroup, Settled
+from nanwatch.core.engine.deferred_frames import DEFERRED_DTYPES, DeferredFrame, DeferredOutputs, Settled
 from nanwatch.core.engine.parameter_lines import ParameterLines
 from nanwatch.core.stats.cache import StatsCache, TrackedBatch
 from nanwatch.core.stats.staging import STAGE_MAX_NUMEL
@@ -47,7 +48,6 @@ __all__ = ["Deferral", "Site", "deferrable"]
 # Deferred outputs are kept alive until their frames are made: at most this many elements in all (16 MiB of float32)
 # between two settlements; past it, calls are recorded as they return.
 MAX_DEFERRED_ELEMENTS = 1 << 22
-_DTYPES = frozenset((torch.float32, torch.float16, torch.bfloat16, torch.float64))
 _Tensor = torch.Tensor
 _new = object.__new__
 _NO_PARAMETERS: list[tuple[str, int]] = []  # shared by every deferred call of a module without parameters (read only)
@@ -58,7 +58,7 @@ class Site:
     """One watched module, as the recorder knows it: its names, its parameter lines, and whether its calls may be
     deferred."""
 
-    __slots__ = ("name", "class_name", "lines", "defer", "probed", "changed", "screened", "screened_batch")
+    __slots__ = ("name", "class_name", "lines", "defer", "probed", "changed", "screened")
 
     def __init__(self, name: str, class_name: str) -> None:
         self.name, self.class_name = name, class_name
@@ -66,9 +66,9 @@ class Site:
         self.defer = False  # its calls may be deferred
         self.probed = False  # its first recorded batch was judged (or a call showed it never can be)
         self.changed = False  # an output was changed in place after its call, or a parameter within a batch: never
-        # The settlement (and batch measurement) whose screen already holds its parameters: once per module.
-        self.screened: Settled | None = None
-        self.screened_batch: TrackedBatch | None = None
+        # The settlement and batch measurement (`Deferral._screen_key`) whose screen already holds its parameters:
+        # once per module.
+        self.screened: object = None
 
 
 def _heard_by(deferral: weakref.ref[Deferral]) -> Callable[[torch.nn.Module, str, torch.Tensor], None]:
@@ -91,17 +91,10 @@ def deferrable(args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> bo
         and len(args) == 1
         and type(args[0]) is _Tensor
         and type(output) is _Tensor
-        and output.dtype in _DTYPES
+        and output.dtype in DEFERRED_DTYPES
         and not output.is_inference()
         and not args[0].is_inference()
     )
-
-
-# A deferred call, kept in the pending list where its frame will go: the site, the input (a Measurement made at the
-# call, or the deferred call whose output it is), the output (or the deferred call whose output it is) and its
-# version counter at the call, the micro-batch and phase, and the parameters' batch measurement with the names and
-# rows of the module's parameters in it (None, [] for a module without parameters).
-DeferredCall = tuple[Site, Any, Any, int, int, str, TrackedBatch | None, list[tuple[str, int]]]
 
 
 class Deferral:
@@ -113,17 +106,18 @@ class Deferral:
         "_cache",
         "_thread",
         "probes",
-        "count",
         "parameter_sites",
         "check_each_call",
         "_registrations",
+        "_sites",
         "_current",
         "_measured_then",
         "settled",
+        "_outputs",
+        "_batches",
+        "_screen_key",
+        "_screened_for",
         "_elements",
-        "_last_output",
-        "_last_version",
-        "_last_call",
     )
 
     def __init__(self, counters: Counters, cache: StatsCache) -> None:
@@ -131,27 +125,30 @@ class Deferral:
         self._cache = cache
         self._thread = _get_ident()  # calls are deferred on this thread only (not DataParallel's replicas)
         self.probes: list[tuple[Site, torch.Tensor, int]] = []  # calls of modules in their first recorded batch
-        self.count = 0  # deferred calls pending
         self.parameter_sites = 0  # watched modules with parameters (`Settled`)
         # Whether a deferred module's parameters are checked at each of its calls, rather than all at once when the
         # calls are settled (see the module's docstring): from the first time a check could not tell.
         self.check_each_call = False
         self._registrations: RemovableHandle | None = None  # the hook that hears of parameters put on modules
+        self._sites: list[Site] = []  # every site made (`site`); the frames of deferred calls name theirs
         # The parameters' batch measurement found current since the calls were last settled (or dropped), and how
         # many the cache had made by then: one made before is checked whole before it is named again (`_renew`).
         self._current: TrackedBatch | None = None
         self._measured_then = -1
         self.settled = Settled()
-        self._elements = 0
-        self._last_output: torch.Tensor | None = None  # the latest deferred call's own output, its version, the call
-        self._last_version = -1
-        self._last_call: DeferredCall | None = None
+        self._outputs = DeferredOutputs()  # this round's (since the last settlement)
+        self._batches: list[TrackedBatch] = []  # the parameters' batch measurements this round's lines name
+        # What a module's `screened` is when its parameters are in `settled.parameters`: new with each `settled`
+        # and each batch measurement (`_screened_for`).
+        self._screen_key = object()
+        self._screened_for: TrackedBatch | None = None
+        self._elements = 0  # of the outputs kept this round
 
     def forget(self, *, probes: bool = False) -> None:
         """The pending list was taken or dropped: nothing deferred is pending (nor probed, with `probes`)."""
-        self.count = self._elements = 0
-        self._last_output, self._last_call, self._last_version = None, None, -1
+        self._new_round()
         self.settled = Settled(self.parameter_sites)
+        self._screen_key, self._screened_for = object(), None
         self._current, self._measured_then = None, self._cache.batches_measured
         if probes:
             self.probes = []
@@ -164,10 +161,21 @@ class Deferral:
         if self._registrations is None:
             self._registrations = register_module_parameter_registration_hook(_heard_by(weakref.ref(self)))
 
+    def site(self, name: str, class_name: str) -> Site:
+        """The site of a module about to be hooked."""
+        site = Site(name, class_name)
+        self._sites.append(site)
+        return site
+
     def close(self) -> None:
+        """Watching ended: the hook on parameter registration goes, and the sites' parameter lines (the ring's frames
+        name their sites, and a closed watcher keeps nothing of the model)."""
         if self._registrations is not None:
             self._registrations.remove()
             self._registrations = None
+        for site in self._sites:
+            site.lines = ParameterLines()
+        self._sites = []
 
     def probe(
         self, site: Site, params: dict[str, Any], args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
@@ -184,10 +192,12 @@ class Deferral:
         else:  # a call that could not be deferred, or parameters measured apart at it: never deferred
             site.probed = True
 
-    def _renew(self, tracked: TrackedBatch | None) -> TrackedBatch | None:
-        """The first deferred call with parameters since the calls were last settled: a batch measurement made before
-        that (evaluation keeps one across micro-batches) is checked whole first, and made again if a parameter
-        changed since (`model.to(...)`, weights loaded between evaluation batches)."""
+    def _renew(self) -> TrackedBatch | None:
+        """The first deferred call with parameters since the calls were last settled (or since the batch measurement
+        changed): the measurement, made now if it was not yet. One made before the last settlement (evaluation keeps
+        one across micro-batches) is checked whole first, and made again if a parameter changed since
+        (`model.to(...)`, weights loaded between evaluation batches)."""
+        tracked = self._cache.tracked_batch()
         if (
             tracked is not None
             and self._cache.batches_measured == self._measured_then
@@ -196,6 +206,11 @@ class Deferral:
             self._cache.forget_parameters()
             tracked = self._cache.tracked_batch()
         self._current = tracked
+        if tracked is not None:
+            self._batches.append(tracked)
+            if tracked is not self._screened_for:  # a new key: each module's parameters are screened again
+                self._screen_key, self._screened_for = object(), tracked
+                self.settled.batches.append(tracked)
         return tracked
 
     def parameter_registered(self, module: torch.nn.Module, name: str, param: torch.Tensor) -> None:
@@ -215,16 +230,19 @@ class Deferral:
                 site.defer = True
 
     def defer(self, pending: list[Any], site: Site, module: torch.nn.Module, arg: Any, output: Any) -> bool:
-        """Keep a call whose frame can be made later: True when kept, False when it must be recorded now."""
-        # The hot path: every check that can be left to `settle` is, and what is left costs a few attribute reads.
-        if type(output) is not _Tensor or type(arg) is not _Tensor:
+        """Keep a call whose lines can be made later: its frame joins `pending`. True when kept, False when it must be
+        recorded now."""
+        # The hot path, run at every module call of a long run: every check that can be left to `settle` is, and
+        # what is left is a few attribute reads (each line here costs a few percent of the call).
+        if type(output) is not _Tensor:
             return False
         numel = output.numel()
         elements = self._elements + numel
+        outputs = self._outputs
         if (
             numel > STAGE_MAX_NUMEL
             or elements > MAX_DEFERRED_ELEMENTS
-            or output.dtype not in _DTYPES
+            or (output.dtype is not outputs.dtype and not outputs.admits(output.dtype))
             or _get_ident() != self._thread
         ):
             return False
@@ -232,95 +250,79 @@ class Deferral:
             version = output._version
         except RuntimeError:  # an inference tensor keeps no version counter to tell a later change by
             return False
+        kept: list[Any] = outputs.kept
+        source: Any = None
+        if kept and arg is kept[-2] and arg._version == kept[-1]:  # the output of the deferred call before
+            source = len(kept) - 2
+        elif type(arg) is not _Tensor:
+            return False
         params = module._parameters
         if params:
-            tracked = self._cache.tracked_batch()
-            if tracked is not self._current:
-                tracked = self._renew(tracked)
+            tracked = self._cache.measured_batch
+            if tracked is not self._current or tracked is None:
+                tracked = self._renew()
             if tracked is None or self.check_each_call:  # checked at the call: unchanged since measured?
                 lines = site.lines
                 if tracked is None or lines.remade or not lines.unchanged(params, tracked):
                     site.defer, site.changed = False, True  # recorded as it returns from now on
                     return False
             named = site.lines.named
+            if site.screened is not self._screen_key:  # the screen reads its parameters (once per module)
+                site.screened = self._screen_key
+                self.settled.parameters.append((tracked, named))
         else:
             tracked, named = None, _NO_PARAMETERS
-        last = self._last_output
-        source: Any = self._last_call if arg is last and arg._version == self._last_version else None
         if source is None:
             source = self._cache.activation(arg)
-        counters = self._counters
-        phase = counters.phase
-        batch = counters.batch_number if phase == "train" else counters.eval_batch_number
-        if output is last and version == self._last_version:  # a container returning its last child's output
-            pending.append((site, source, self._last_call, version, batch, phase, tracked, named))
+            self.settled.inputs.append(source)
+        if kept and output is kept[-2] and version == kept[-1]:  # a container returning its last child's output
+            at = len(kept) - 2
         else:
-            call = (site, source, output, version, batch, phase, tracked, named)
-            pending.append(call)
-            self._last_output, self._last_version, self._last_call = output, version, call
+            at = len(kept)
+            kept += (output, version)
             self._elements = elements
-        self.count += 1
+        frame = _new(DeferredFrame)
+        frame._source = (site, self._counters.stamp, tracked, named, source, at, outputs)
+        pending.append(frame)
         return True
 
     def settle(self, pending: list[Any]) -> None:
-        """Measure the deferred calls' outputs together (one stack per dtype, shape and device) and put their frames
-        where they wait in `pending`; the frames' lines are made when read."""
-        if not self.count:
+        """Measure the outputs deferred since the last settlement together (most often one stack) for the frames
+        waiting in `pending`, whose lines are made when read."""
+        if not self._outputs.kept:
             return
-        self.count = self._elements = 0
-        self._last_output, self._last_call, self._last_version = None, None, -1
-        settled = self.settled
-        inputs, parameters = settled.inputs, settled.parameters
-        groups: dict[
-            tuple[torch.dtype, torch.Size, torch.device], OutputGroup
-        ] = {}  # the outputs by dtype, shape, device
-        last_call: Any = None
-        last_group: Any = None
-        last_row = 0
-        batches: list[TrackedBatch] = []  # the parameters' batch measurements these calls' lines name
-        checked: TrackedBatch | None = None
-        for index, item in enumerate(pending):
-            if type(item) is not tuple:
-                continue
-            site, source, output, version, batch, phase, tracked, named = item
-            if type(source) is tuple:  # the output of the deferred call before (`defer` chains to no other)
-                if source is not last_call:
-                    raise RuntimeError(f"a deferred call of {site.name!r} lost the call its input came from")
-                source, source_row = last_group, last_row
-            else:
-                source_row = 0
-                inputs.append(source)
-            if type(output) is tuple:  # a container returning the output of the deferred call before
-                if output is not last_call:
-                    raise RuntimeError(f"a deferred call of {site.name!r} lost the call its output came from")
-                group, row = last_group, last_row
-            else:
-                if output._version != version:  # changed in place since the call: measured as it is now, and its
-                    site.defer, site.changed = False, True  # module recorded as it returns from now on
-                key = (output.dtype, output.shape, output.device)
-                group = groups.get(key)
-                if group is None:
-                    group = groups[key] = OutputGroup(key[0], tuple(key[1]))
-                outputs = group.outputs
-                last_call, last_group, last_row = item, group, len(outputs)
-                row = last_row
-                outputs.append(output)
-            if tracked is not None and (site.screened is not settled or site.screened_batch is not tracked):
-                site.screened, site.screened_batch = settled, tracked
-                parameters.append((tracked, named))
-            if tracked is not checked and tracked is not None:
-                checked = tracked
-                batches.append(tracked)
-            frame = _new(DeferredFrame)
-            frame._source = (site.name, site.class_name, batch, phase, tracked, named, source, source_row, group, row)
-            pending[index] = frame
+        outputs, batches = self._outputs, self._batches
+        self._new_round()
+        changed = outputs.changed()
+        if changed:  # changed in place since the call: measured as it is now, and its module recorded as it returns
+            self._stop_deferring(pending, outputs, set(changed))  # from now on
         self._check_parameters(batches)
         with torch.no_grad():
-            settled.stacks += [(group.measure(), group.dtype) for group in groups.values()]
+            self.settled.stacks += outputs.measure()
+
+    @property
+    def waiting(self) -> bool:
+        """Whether calls were deferred since the last settlement."""
+        return bool(self._outputs.kept)
+
+    def _new_round(self) -> None:
+        self._elements = 0
+        self._outputs, self._batches = DeferredOutputs(), []
+        self._current = None
+
+    @staticmethod
+    def _stop_deferring(pending: list[Any], outputs: DeferredOutputs, changed: set[int]) -> None:
+        """The modules of the deferred calls whose outputs (`changed`: where `outputs` kept them) were changed in
+        place after the calls are recorded as they return from now on."""
+        for frame in pending:
+            if type(frame) is DeferredFrame:
+                site, _, _, _, _, at, kept_in = frame._source
+                if kept_in is outputs and at in changed and isinstance(site, Site):
+                    site.defer, site.changed = False, True
 
     def _check_parameters(self, batches: list[TrackedBatch]) -> None:
         """After settling: the parameters the settled calls' lines name, checked all at once."""
-        self._current, self._measured_then = None, self._cache.batches_measured
+        self._measured_then = self._cache.batches_measured
         if not self.check_each_call and not all(self._cache.unchanged(batch) for batch in batches):
             # A parameter changed since its batch measurement: before a deferred call (a forward that began changing
             # it), or after (an optimizer step the check follows)? No telling. These frames show the batch

@@ -1,12 +1,15 @@
 """The frames of deferred calls (core/engine/deferral.py), and what the check reads of them instead of their lines.
 
-A deferred call's frame is made at the check, when its output has been measured with the other deferred outputs of
-its dtype, shape and device (`OutputGroup`, one stack); its lines are made only when something reads them. Of a clean
-batch most never are: the check reads the stacks, the inputs measured at the calls and the parameters' batch
-measurement whole (`Settled`), and only the ring's last frames are ever shown.
+A deferred call's frame is made as the call returns, from one tuple; its output is measured at the check with the
+other outputs deferred since the last one (`DeferredOutputs`: one stack per dtype, shape and device, most often one
+in all), and its lines are made only when something reads them. Of a clean batch most never are: the check reads the
+stacks, the inputs measured at the calls and the parameters' batch measurement whole (`Settled`), and only the ring's
+last frames are ever shown.
 """
 
 from __future__ import annotations
+
+from typing import Protocol
 
 import torch
 
@@ -16,10 +19,12 @@ from nanwatch.core.stats.measure import Measurement, StackedMeasurement
 from nanwatch.core.stats.staging import Rows
 from nanwatch.core.walk import OUTPUT_LABEL, input_label
 
-__all__ = ["DeferredFrame", "FrameSource", "OutputGroup", "Settled"]
+__all__ = ["DEFERRED_DTYPES", "DeferredFrame", "DeferredOutputs", "FrameSource", "Named", "Settled"]
 
 _PARAMETER, _INPUT, _OUTPUT, _FORWARD = Role.PARAMETER, Role.INPUT, Role.OUTPUT, Direction.FORWARD
 _INPUT_0 = input_label(0)
+# The dtypes of the outputs deferred: a stack of them measures each exactly.
+DEFERRED_DTYPES = frozenset((torch.float32, torch.float16, torch.bfloat16, torch.float64))
 
 
 class Settled:
@@ -32,21 +37,21 @@ class Settled:
             here, all from one batch measurement, the check reads that measurement whole.
     """
 
-    __slots__ = ("stacks", "inputs", "parameters", "parameter_sites")
+    __slots__ = ("stacks", "inputs", "parameters", "batches", "parameter_sites")
 
     def __init__(self, parameter_sites: int = 0) -> None:
         self.stacks: list[tuple[Rows, torch.dtype]] = []
         self.inputs: list[Measurement] = []
         self.parameters: list[tuple[TrackedBatch, list[tuple[str, int]]]] = []  # per module: the batch, its rows
+        self.batches: list[TrackedBatch] = []  # the batch measurements in `parameters`, each once
         self.parameter_sites = parameter_sites
 
     def reads(self) -> tuple[list[tuple[Rows, torch.dtype]], list[Measurement]]:
         """What the screen reads for these frames: stacks to read whole, and measurements one by one."""
         measurements = list(self.inputs)
         parameters = self.parameters
-        batches = {id(batch): batch for batch, _ in parameters}
-        if len(batches) == 1 and len(parameters) == self.parameter_sites:  # every module's: the measurement whole
-            (batch,) = batches.values()
+        if len(self.batches) == 1 and len(parameters) == self.parameter_sites:  # every module's: the measurement
+            (batch,) = self.batches  # whole
             measurements += batch.alone
             return self.stacks + batch.stacks, measurements
         for batch, named in parameters:
@@ -55,26 +60,31 @@ class Settled:
         return self.stacks, measurements
 
 
-# What a deferred call's frame is made from: its module's name and class, micro-batch and phase, the parameters'
-# batch measurement with the names and rows of the module's parameters in it, the input (a measurement made at the
-# call, or an `OutputGroup` whose row `source_row` it is) and the output (row `row` of `group`).
+class Named(Protocol):
+    """What a deferred frame reads of its module's site (core/engine/deferral.py's `Site`)."""
+
+    name: str
+    class_name: str
+
+
+# What a deferred call's frame is made from, kept as the call returns: its module's site, `(micro-batch, phase)`, the
+# parameters' batch measurement with the names and rows of the module's parameters in it, the input (a measurement
+# made at the call, or where the deferred output it is was kept) and where its output was kept (`DeferredOutputs`).
 FrameSource = tuple[
-    str,
-    str,
-    int,
-    str,
+    Named,
+    tuple[int, str],
     "TrackedBatch | None",
     list[tuple[str, int]],
-    "Measurement | OutputGroup",
+    "Measurement | int",
     int,
-    "OutputGroup",
-    int,
+    "DeferredOutputs",
 ]
 
 
 class DeferredFrame(Frame):
-    """The frame of a deferred call, made at the check from one tuple (`FrameSource`: one slot to set per frame, the
-    fields read from it); its lines are made when first read. Its fields are its call's: they cannot be set."""
+    """The frame of a deferred call, made as the call returns from one tuple (`FrameSource`: one slot to set per
+    frame, the fields read from it); its lines are made when first read, after its round's outputs were measured.
+    Its fields are its call's: they cannot be set."""
 
     __slots__ = ("_source", "_lines")
     _source: FrameSource
@@ -83,19 +93,19 @@ class DeferredFrame(Frame):
 
     @property
     def module_name(self) -> str:  # type: ignore[override]
-        return self._source[0]
+        return self._source[0].name
 
     @property
     def class_name(self) -> str:  # type: ignore[override]
-        return self._source[1]
+        return self._source[0].class_name
 
     @property
     def batch_number(self) -> int:  # type: ignore[override]
-        return self._source[2]
+        return self._source[1][0]
 
     @property
     def phase(self) -> str:  # type: ignore[override]
-        return self._source[3]
+        return self._source[1][1]
 
     @property
     def entries(self) -> list[Entry]:
@@ -103,11 +113,11 @@ class DeferredFrame(Frame):
             return self._lines
         except AttributeError:  # not read yet
             pass
-        _, _, _, _, tracked, named, source, source_row, group, row = self._source
+        _, _, tracked, named, source, at, outputs = self._source
         lines = [] if tracked is None else [Entry(name, _PARAMETER, tracked.measurements[i]) for name, i in named]
-        found = source.measurement(source_row) if isinstance(source, OutputGroup) else source
+        found = outputs.measurement(source) if isinstance(source, int) else source
         lines.append(Entry(_INPUT_0, _INPUT, found))
-        lines.append(Entry(OUTPUT_LABEL, _OUTPUT, group.measurement(row)))
+        lines.append(Entry(OUTPUT_LABEL, _OUTPUT, outputs.measurement(at)))
         self._lines = lines
         return lines
 
@@ -116,26 +126,90 @@ class DeferredFrame(Frame):
         self._lines = lines
 
 
-class OutputGroup:
-    """Deferred outputs of one dtype, shape and device, measured as one stack: `rows` once measured, and the rows'
-    measurement objects made so far (one per row however many lines show it: an output is the next module's input,
-    and its container's output, and the checks count a tensor once by its measurement)."""
+class DeferredOutputs:
+    """The outputs deferred in one round (between two settlements), each kept with its version counter at the call
+    in one flat list (`kept`: output, version, output, version...: one `+=` per call), where a frame names its
+    output by position; `measure` stacks them (one stack when they share a dtype, shape and device, as a chain of
+    small modules' outputs do; else one per dtype, shape and device) and lets them go. A row's measurement object is
+    made once however many lines show it (an output is the next module's input, and its container's output: the
+    checks count a tensor once by its measurement)."""
 
-    __slots__ = ("outputs", "rows", "dtype", "shape", "made")
+    __slots__ = ("kept", "dtype", "mixed", "_groups", "_where")
 
-    def __init__(self, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
-        self.outputs: list[torch.Tensor] = []  # until measured (then `rows`)
-        self.rows = Rows()
+    def __init__(self) -> None:
+        self.kept: list[torch.Tensor | int] = []  # until measured
+        self.dtype: torch.dtype | None = None  # the first output's dtype, and whether another was admitted since
+        self.mixed = False
+        self._groups: list[_OutputGroup] = []
+        self._where: list[tuple[_OutputGroup, int]] | None = None  # each output's group and row, with several groups
+
+    def admits(self, dtype: torch.dtype) -> bool:
+        """Whether an output of `dtype` (not the round's first) can be deferred: a floating-point dtype a stack
+        measures exactly. Asked before it is kept (the dtypes are known without reading every output again)."""
+        if dtype not in DEFERRED_DTYPES:
+            return False
+        if self.dtype is None:
+            self.dtype = dtype
+        else:
+            self.mixed = True
+        return True
+
+    def changed(self) -> list[int]:
+        """Where the outputs changed in place since their calls (their version counters moved) were kept."""
+        kept = self.kept
+        tensors: list[torch.Tensor] = kept[0::2]  # type: ignore[assignment]
+        if [tensor._version for tensor in tensors] == kept[1::2]:
+            return []
+        return [2 * row for row, tensor in enumerate(tensors) if tensor._version != kept[2 * row + 1]]
+
+    def measure(self) -> list[tuple[Rows, torch.dtype]]:
+        """Measure the outputs, their abs min and max (exact however grouped; nan propagates): the stacks' rows and
+        dtypes. The outputs are let go."""
+        tensors: list[torch.Tensor] = self.kept[0::2]  # type: ignore[assignment]
+        self.kept = []
+        if not tensors:
+            return []
+        first = tensors[0]
+        if not self.mixed:
+            try:  # one stack: refused (RuntimeError) when shapes or devices differ
+                stacked = torch.stack(tensors)
+            except RuntimeError:
+                pass
+            else:
+                self._groups = [_OutputGroup(stacked, first.dtype, tuple(first.shape))]
+                return [(self._groups[0].rows, first.dtype)]
+        groups: dict[tuple[torch.dtype, torch.Size, torch.device], list[int]] = {}
+        for row, tensor in enumerate(tensors):
+            groups.setdefault((tensor.dtype, tensor.shape, tensor.device), []).append(row)
+        where: list[tuple[_OutputGroup, int]] = [None] * len(tensors)  # type: ignore[list-item]
+        for (dtype, shape, _), rows in groups.items():
+            group = _OutputGroup(torch.stack([tensors[row] for row in rows]), dtype, tuple(shape))
+            self._groups.append(group)
+            for place, row in enumerate(rows):
+                where[row] = (group, place)
+        self._where = where
+        return [(group.rows, group.dtype) for group in self._groups]
+
+    def measurement(self, at: int) -> StackedMeasurement:
+        """The measurement of the output kept at `at` (after `measure`)."""
+        where = self._where
+        if where is None:
+            return self._groups[0].measurement(at >> 1)
+        group, row = where[at >> 1]
+        return group.measurement(row)
+
+
+class _OutputGroup:
+    """Deferred outputs of one dtype, shape and device, measured as one stack (`rows`), and the rows' measurement
+    objects made so far."""
+
+    __slots__ = ("rows", "dtype", "shape", "made")
+
+    def __init__(self, stacked: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+        values = stacked.abs_().view(len(stacked), -1)
+        self.rows = Rows(values.amin(1), values.amax(1))
         self.dtype, self.shape = dtype, shape
         self.made: dict[int, StackedMeasurement] = {}
-
-    def measure(self) -> Rows:
-        """The outputs measured, one row each: their abs min and max (exact however grouped; nan propagates). The
-        outputs are let go."""
-        outputs = self.outputs
-        values = torch.stack(outputs).abs_().view(len(outputs), -1)
-        self.rows, self.outputs = Rows(values.amin(1), values.amax(1)), []
-        return self.rows
 
     def measurement(self, row: int) -> StackedMeasurement:
         found = self.made.get(row)

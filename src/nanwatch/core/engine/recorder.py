@@ -64,6 +64,10 @@ _FORWARD, _RECOMPUTE = Direction.FORWARD, Direction.RECOMPUTE
 _ROLES = {role.value: role for role in Role}
 _PLAIN_PARAMETERS = (torch.nn.Parameter, torch.Tensor)
 _is_compiling = torch.compiler.is_compiling
+# What the hook asks first: true while Dynamo traces it (it knows the function), and torch's flag for the other
+# tracers (non-strict export); cheaper than `is_compiling()`, which asks TorchScript first.
+_dynamo_compiling = torch.compiler.is_dynamo_compiling
+_compiler = torch.compiler
 # -1 unless autograd runs a backward on this thread: what `hooks.recomputing()` asks, called here directly.
 _graph_task_id = torch._C._current_graph_task_id
 
@@ -92,7 +96,7 @@ class Recorder:
         overflow: Callable[[], None],
         disable: Callable[[str], None],
     ) -> None:
-        self._pending: list[Any] = []  # frames, and deferred calls (tuples) where their frames will go
+        self._pending: list[Any] = []  # frames (those of deferred calls are read once `settle` measured them)
         self._deferral = Deferral(counters, cache)
         self.recording = True  # False in an unwatched batch or phase, or once watching is disabled: hooks return
         self.tracing = False
@@ -111,7 +115,7 @@ class Recorder:
     @property
     def pending(self) -> list[Frame]:
         """The frames recorded since the last check, in the order of the calls (deferred ones made now)."""
-        if self._deferral.count:
+        if self._deferral.waiting:
             self._deferral.settle(self._pending)
         return self._pending
 
@@ -156,9 +160,7 @@ class Recorder:
 
     def frame(self, module_name: str, class_name: str, entries: list[Entry], direction: Direction = _FORWARD) -> Frame:
         """A frame of the current micro-batch."""
-        counters = self._counters
-        phase = counters.phase
-        batch = counters.batch_number if phase == "train" else counters.eval_batch_number
+        batch, phase = self._counters.stamp
         return Frame(module_name, class_name, batch, phase, entries, direction)
 
     def hook(
@@ -197,35 +199,34 @@ class Recorder:
         """The forward hook (with keyword inputs) that records `name`'s calls."""
         prefix, kernels, record = frame_key(self.sink.token, name, class_name), self._cache.kernels, self._record
         show_recomputes = self._show_recomputes
-        site, defer = Site(name, class_name), self._deferral.defer
+        site, defer = self._deferral.site(name, class_name), self._deferral.defer
 
         def forward_hook(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
             if not self.recording:
                 return
-            if _is_compiling():
-                # Dynamo is tracing this hook: the statistics go into the graph, the bookkeeping runs after each call
-                # of it (core/stats/compiled.py).
+            if _dynamo_compiling() or _compiler._is_compiling_flag:
+                # A graph is being traced (Dynamo, export): the statistics go into the graph, the bookkeeping runs
+                # after each call of it (core/stats/compiled.py).
                 record_call(prefix, module, args, kwargs, output, kernels)
                 return
-            # A recompute of activation checkpointing (during backward) repeats a call already recorded, not a new
-            # one: it is part of the backward story, shown with it (watch_gradients) as a frame marked `(recompute)`.
-            direction = _FORWARD
             try:
-                if _graph_task_id() != -1:  # `recomputing()`, asked here without a second `_is_compiling()`
-                    if not show_recomputes:
-                        return
-                    direction = _RECOMPUTE
+                # A recompute of activation checkpointing (during backward) repeats a call already recorded, not a new
+                # one: it is part of the backward story, shown with it (watch_gradients) as a frame marked
+                # `(recompute)`. `recomputing()`, asked here without a second compile check.
+                if _graph_task_id() != -1:
+                    if show_recomputes:
+                        record(site, module, args, kwargs, output, _RECOMPUTE)
                 elif (
                     site.defer
                     and not kwargs
                     and len(args) == 1
                     and not self.tracing
-                    and defer(self._pending, site, module, args[0], output)
+                    and defer(pending := self._pending, site, module, args[0], output)
                 ):
-                    if len(self._pending) > MAX_PENDING_FRAMES:
+                    if len(pending) > MAX_PENDING_FRAMES:
                         self._overflow()
-                    return
-                record(site, module, args, kwargs, output, direction)
+                else:
+                    record(site, module, args, kwargs, output, _FORWARD)
             except Exception as error:  # our bookkeeping must never kill a healthy run
                 self._disable(f"recording {name or type(module).__name__} failed: {error!r}")
 
@@ -260,9 +261,7 @@ class Recorder:
             entries.append(Entry(OUTPUT_LABEL, _OUTPUT, activation(output)))
         else:
             self._add_leaves(entries, output, OUTPUT_LABEL, OUTPUT)
-        counters = self._counters
-        phase = counters.phase
-        batch = counters.batch_number if phase == "train" else counters.eval_batch_number
+        batch, phase = self._counters.stamp
         self.append(Frame(site.name, site.class_name, batch, phase, entries, direction), module, args, output)
         if not site.probed and direction is _FORWARD:
             self._deferral.probe(site, params, args, kwargs, output)

@@ -59,9 +59,8 @@ class GradientGuard(Feature):
     ) -> None:
         if stage != "before" or optimizer is None or ctx.disabled_reason is not None or skips_this_step(optimizer):
             return
-        pairs = gradients_to_apply(optimizer)
-        if pairs:
-            params, grads = map(list, zip(*pairs, strict=True))
+        params, grads = gradients_to_apply(optimizer)
+        if params:
             self._launched = (params, self._plans.launch(params, grads))
 
     def screen(

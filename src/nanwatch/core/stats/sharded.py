@@ -30,9 +30,11 @@ def local_shard(tensor: torch.Tensor) -> torch.Tensor:
     return local
 
 
+_PLAIN = frozenset((torch.Tensor,))
+
+
 def local_shards(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """`local_shard` of each of `tensors` (the list itself when none is a tensor subclass, as in most runs)."""
-    plain = torch.Tensor
-    if all(type(tensor) is plain for tensor in tensors):
+    if set(map(type, tensors)) <= _PLAIN:  # in C: no Python step per tensor
         return tensors
     return [local_shard(tensor) for tensor in tensors]
