@@ -5,7 +5,7 @@ One model and optimizer; first `--steps` steps with nothing watching (`none`), t
 `nanwatch.watch(model, optimizer=optimizer)` after a few steps of warm-up (so the calls are deferred, as in a long
 run). For each, the median per step of: the forward, the backward, and the optimizer step with `handle.step()`
 (where the check runs). Inside the watched steps, the engine's parts are timed by wrapping them: the parameters'
-batch measurement, making the deferred calls' frames (`Deferral.settle`), the check's screen and its commit to the
+batch measurement, measuring the deferred calls' outputs (`Deferral.settle`), the check's screen and its commit to the
 ring, the guard's gradient reduction, and the whole check. The wrappers themselves add a little.
 
     python benchmarks/step_parts.py --steps 60
@@ -36,7 +36,7 @@ from hook_floor import BATCH, PAIRS, dispatch_step  # noqa: E402  (the same step
 
 PARTS: list[tuple[type, str, str]] = [
     (StatsCache, "_measure_tracked", "parameters' batch measurement"),
-    (Deferral, "settle", "deferred calls made into frames"),
+    (Deferral, "settle", "deferred outputs measured (settle)"),
     (Checker, "screen", "the check's screen (one host read)"),
     (Checker, "_commit", "clean frames into the ring"),
     (GradientGuard, "on_optimizer_step", "the guard's gradient reduction"),
