@@ -32,17 +32,26 @@ def _range(tensor: torch.Tensor) -> tuple[float, float]:
     return values.min().item(), values.max().item()
 
 
+def _third_batch(model: nn.Module) -> tuple[torch.Tensor, int, list[ResolvedFrame]]:
+    """Three batches of `model` watched, the third deferred: its input, how many calls were deferred, its frames."""
+    watcher = Watcher(model, WatchConfig(max_frames_to_save=50))
+    watcher.attach()
+    try:
+        for batch in range(3):
+            x = torch.randn(5, 4)
+            model(x)
+            deferred = deferred_calls(watcher)
+            frames = _frames_of(watcher, batch)
+            watcher.end_batch()
+    finally:
+        watcher.close()
+    return x, deferred, frames
+
+
 def test_a_chain_of_small_modules_is_deferred_and_records_the_same_numbers() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2))
-    watcher = Watcher(model, WatchConfig(max_frames_to_save=50))
-    watcher.attach()
-    for batch in range(3):
-        x = torch.randn(5, 4)
-        model(x)
-        deferred = deferred_calls(watcher)
-        frames = _frames_of(watcher, batch)
-        watcher.end_batch()
+    x, deferred, frames = _third_batch(model)
     assert deferred == 4, "the three modules and the Sequential around them, in the third batch"
     with torch.no_grad():  # no watched call: the functional forms
         hidden = nn.functional.linear(x, model[0].weight, model[0].bias)
@@ -57,7 +66,6 @@ def test_a_chain_of_small_modules_is_deferred_and_records_the_same_numbers() -> 
     assert _line(last, "output") == _line(root, "output") == _range(out)
     assert _line(root, "input[0]") == _range(x)
     assert _line(last, "weight") == _range(model[2].weight)
-    watcher.close()
 
 
 class _Cast(nn.Module):
@@ -77,15 +85,7 @@ def test_deferred_outputs_of_one_shape_keep_each_its_own_dtype_and_numbers(dtype
     torch.manual_seed(0)
     cast: list[nn.Module] = [_Cast(torch.bfloat16), nn.Tanh(), _Cast(torch.float32)] if dtypes == "several" else []
     model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), *cast, nn.Linear(4, 4))
-    watcher = Watcher(model, WatchConfig(max_frames_to_save=50))
-    watcher.attach()
-    for batch in range(3):
-        x = torch.randn(5, 4)
-        model(x)
-        deferred = deferred_calls(watcher)
-        frames = _frames_of(watcher, batch)
-        watcher.end_batch()
-    watcher.close()
+    x, deferred, frames = _third_batch(model)
     assert deferred == len(model) + 1, "every module and the Sequential around them"
     value, expected = x, []
     with torch.no_grad():
