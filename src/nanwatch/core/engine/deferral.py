@@ -45,8 +45,8 @@ from nanwatch.core.stats.staging import STAGE_MAX_NUMEL
 
 __all__ = ["Deferral", "Site", "deferrable"]
 
-# Deferred outputs are kept alive until their frames are made: at most this many elements in all (16 MiB of float32)
-# between two settlements; past it, calls are recorded as they return.
+# Deferred outputs are kept alive until they are measured (the check): at most this many elements in all (16 MiB of
+# float32) between two settlements; past it, calls are recorded as they return.
 MAX_DEFERRED_ELEMENTS = 1 << 22
 _Tensor = torch.Tensor
 _new = object.__new__
@@ -98,7 +98,8 @@ def deferrable(args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> bo
 
 
 class Deferral:
-    """The deferred calls of one recorder: kept by `defer`, made into frames by `settle`."""
+    """The deferred calls of one recorder: kept by `defer` (their frames made then, their lines later), their outputs
+    measured by `settle`."""
 
     __slots__ = (
         "__weakref__",

@@ -114,7 +114,8 @@ class Recorder:
 
     @property
     def pending(self) -> list[Frame]:
-        """The frames recorded since the last check, in the order of the calls (deferred ones made now)."""
+        """The frames recorded since the last check, in the order of the calls (the deferred calls' outputs measured
+        now)."""
         if self._deferral.waiting:
             self._deferral.settle(self._pending)
         return self._pending
@@ -271,7 +272,7 @@ class Recorder:
         self._deferral.judge_probes()
 
     def settle(self) -> None:
-        """Make the frames of the deferred calls, where they wait in the pending list."""
+        """Measure the outputs of the deferred calls, whose frames wait in the pending list."""
         self._deferral.settle(self._pending)
 
     def record_loss(self, loss: torch.Tensor) -> None:
