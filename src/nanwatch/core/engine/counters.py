@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import operator
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Generic, TypeVar, overload
 
 import torch
 
@@ -14,6 +14,28 @@ from nanwatch.core.events import KEEP, Kept, Phase
 __all__ = ["KEEP", "PHASES", "Counters", "Kept"]
 
 PHASES: tuple[Phase, ...] = ("train", "eval")
+_T = TypeVar("_T")
+
+
+class _Restamps(Generic[_T]):
+    """A counter whose every change renews `Counters.stamp` (kept in `_<name>`)."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._kept = f"_{name}"
+
+    @overload
+    def __get__(self, counters: None, owner: type) -> _Restamps[_T]: ...
+    @overload
+    def __get__(self, counters: Counters, owner: type) -> _T: ...
+    def __get__(self, counters: Counters | None, owner: type) -> _T | _Restamps[_T]:
+        if counters is None:
+            return self
+        value: _T = getattr(counters, self._kept)
+        return value
+
+    def __set__(self, counters: Counters, value: _T) -> None:
+        setattr(counters, self._kept, value)
+        counters._restamp()
 
 
 class Counters:
@@ -35,32 +57,10 @@ class Counters:
         self.batch_started = False  # a training forward ran since the last training micro-batch ended
         self._logger = logger
 
-    @property
-    def phase(self) -> Phase:
-        return self._phase
-
-    @phase.setter
-    def phase(self, phase: Phase) -> None:
-        self._phase = phase
-        self._restamp()
-
-    @property
-    def batch_number(self) -> int:
-        return self._batch_number
-
-    @batch_number.setter
-    def batch_number(self, number: int) -> None:
-        self._batch_number = number
-        self._restamp()
-
-    @property
-    def eval_batch_number(self) -> int:
-        return self._eval_batch_number
-
-    @eval_batch_number.setter
-    def eval_batch_number(self, number: int) -> None:
-        self._eval_batch_number = number
-        self._restamp()
+    # Each change of these renews `stamp`.
+    phase = _Restamps[Phase]()
+    batch_number = _Restamps[int]()
+    eval_batch_number = _Restamps[int]()
 
     def _restamp(self) -> None:
         phase = self._phase
