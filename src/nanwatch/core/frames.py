@@ -155,6 +155,8 @@ class FrameRing:
         return self._frames.maxlen or 0
 
     def extend(self, frames: Iterable[Frame]) -> None:
+        if isinstance(frames, list) and len(frames) > self.size:
+            frames = frames[-self.size :]  # the rest would be pushed out at once (a batch of thousands of calls)
         self._frames.extend(frames)
 
     def clear(self) -> None:

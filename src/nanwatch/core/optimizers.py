@@ -16,9 +16,12 @@ def gradients_to_apply(optimizer: torch.optim.Optimizer) -> tuple[list[torch.Ten
     """The parameters of the optimizer's groups that have a gradient, and their gradients, read now.
 
     Read at step time, so a parameter unfrozen after watching began, or a group added later, is covered too. Read at
-    every step of a long run: the gradients are read and tested in C (one Python step per parameter, not four).
+    every step of a long run: the gradients are read and tested in C (one Python step per parameter, not four). The
+    parameters may be the optimizer's own list: read it, never change it.
     """
-    params = [param for group in optimizer.param_groups for param in group["params"]]
+    groups = optimizer.param_groups
+    # One group (the common case): its own list, not a copy (the guard compares it with the one it planned for).
+    params = groups[0]["params"] if len(groups) == 1 else [param for group in groups for param in group["params"]]
     grads = list(map(_grad_of, params))
     if any(map(is_, grads, repeat(None))):  # some have none (frozen, or unused this step): left out
         kept = [(param, grad) for param, grad in zip(params, grads, strict=True) if grad is not None]

@@ -250,3 +250,26 @@ def test_the_reduction_is_planned_again_when_a_gradient_changes_shape() -> None:
             optimizer.step()
     assert info.value.batch_number == 2
     assert "scales.0 nan, scales.1 nan, scales.2 nan, table.weight nan (4 of 4 parameters)" in info.value.report
+
+
+def test_a_parameter_swapped_into_the_optimizers_own_list_is_guarded() -> None:
+    # The guard keeps its plan while the optimizer's list holds the same parameters, but reads that list at every
+    # step: a parameter put in it in place of another (same length, same shape) is the one checked and named.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    outside = nn.Parameter(torch.ones(1))
+    with watch(model, optimizer=optimizer) as handle:
+        for _ in range(2):
+            model(torch.ones(1, 2)).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            handle.step()
+        optimizer.param_groups[0]["params"][3] = outside  # in place of the last bias, same length and shape
+        before = _weights(model)
+        (model(torch.ones(1, 2)).sum() + (outside * float("nan")).sum()).backward()
+        with pytest.raises(NonFiniteError) as info:
+            optimizer.step()
+        handle.close()
+    assert _same(model, before)
+    assert "(parameter 3 of the optimizer, outside the watched model) nan (1 of 4 parameters)" in info.value.report

@@ -134,7 +134,7 @@ class DeferredOutputs:
     made once however many lines show it (an output is the next module's input, and its container's output: the
     checks count a tensor once by its measurement)."""
 
-    __slots__ = ("kept", "dtype", "mixed", "_groups", "_where")
+    __slots__ = ("kept", "dtype", "mixed", "_groups", "_where", "_tensors")
 
     def __init__(self) -> None:
         self.kept: list[torch.Tensor | int] = []  # until measured
@@ -142,6 +142,7 @@ class DeferredOutputs:
         self.mixed = False
         self._groups: list[_OutputGroup] = []
         self._where: list[tuple[_OutputGroup, int]] | None = None  # each output's group and row, with several groups
+        self._tensors: list[torch.Tensor] | None = None  # the outputs alone, once `changed` took them from `kept`
 
     def admits(self, dtype: torch.dtype) -> bool:
         """Whether an output of `dtype` (not the round's first) can be deferred: a floating-point dtype a stack
@@ -158,6 +159,7 @@ class DeferredOutputs:
         """Where the outputs changed in place since their calls (their version counters moved) were kept."""
         kept = self.kept
         tensors: list[torch.Tensor] = kept[0::2]  # type: ignore[assignment]
+        self._tensors = tensors  # `measure` stacks the same list
         if [tensor._version for tensor in tensors] == kept[1::2]:
             return []
         return [2 * row for row, tensor in enumerate(tensors) if tensor._version != kept[2 * row + 1]]
@@ -165,8 +167,8 @@ class DeferredOutputs:
     def measure(self) -> list[tuple[Rows, torch.dtype]]:
         """Measure the outputs, their abs min and max (exact however grouped; nan propagates): the stacks' rows and
         dtypes. The outputs are let go."""
-        tensors: list[torch.Tensor] = self.kept[0::2]  # type: ignore[assignment]
-        self.kept = []
+        tensors: list[torch.Tensor] = self._tensors if self._tensors is not None else self.kept[0::2]  # type: ignore[assignment]
+        self.kept, self._tensors = [], None
         if not tensors:
             return []
         first = tensors[0]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
+from operator import is_
 from typing import Any
 
 import torch
@@ -53,6 +54,7 @@ class GradientGuard(Feature):
 
     def close(self, ctx: EngineContext) -> None:
         self._launched = self._screened = None  # they hold the parameters: a closed watcher lets the model go
+        self._plans = _Plans()
 
     def on_optimizer_step(
         self, ctx: EngineContext, stage: OptimizerStage, optimizer: torch.optim.Optimizer | None
@@ -148,27 +150,32 @@ class _Plans:
     parameter unfrozen, a group added) or a gradient no longer fits it."""
 
     def __init__(self) -> None:
-        self._key: tuple[int, ...] | None = None
+        self._params: list[torch.Tensor] = []  # the parameters planned for (a copy: the optimizer's list can change)
         self._dense: list[int] = []  # the gradients the plan reduces, by index
         self._others: list[int] = []  # the others
         self._plan: MagnitudePlan | None = None
 
     def launch(self, params: list[torch.Tensor], grads: list[torch.Tensor]) -> _Groups:
         """The largest magnitude of each gradient (a DTensor's over this rank's shard: no collective)."""
-        grads = local_shards(grads)
-        key = tuple(map(id, params))
+        planned = self._params
+        # The same parameters as planned for, compared by identity in C (no Python step, no object per parameter).
+        # A plain parameter's gradient is plain: the planned (dense) ones need no `local_shards` then.
+        same = len(params) == len(planned) and all(map(is_, params, planned))
+        if self._others or not same:
+            grads = local_shards(grads)
         try:
-            if key != self._key or self._plan is None:
+            if not same or self._plan is None:
                 raise RuntimeError("new parameters")
             found = self._plan.launch(grads if not self._others else [grads[i] for i in self._dense])
         except RuntimeError:  # new parameters, or a gradient that changed shape, dtype or kind: a new plan
-            self._key = None
+            self._params = []
+            grads = local_shards(grads)
             # The infinity norm of an empty tensor (a rank's empty shard of a small parameter) is an error.
             self._dense = [i for i, grad in enumerate(grads) if _dense(grad)]
             self._others = sorted(set(range(len(grads))) - set(self._dense))
             self._plan = MagnitudePlan([grads[i] for i in self._dense])
             found = self._plan.launch([grads[i] for i in self._dense])
-            self._key = key
+            self._params = list(params)
         dense = self._dense
         # The plan's indices count the dense gradients; made the parameters' own where others were left out.
         groups = [([dense[k] for k in indices], vector) for indices, vector in found] if self._others else list(found)
