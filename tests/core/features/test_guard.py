@@ -8,7 +8,7 @@ import torch
 from tests.models import InfInBackward, NanInBackward
 from torch import nn
 
-from nanwatch import NonFiniteError, watch
+from nanwatch import NonFiniteError, WatchHandle, watch
 from nanwatch.core.features.guard import MAX_NAMED
 
 
@@ -18,6 +18,16 @@ def _weights(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def _same(model: nn.Module, saved: dict[str, torch.Tensor]) -> bool:
     return all(torch.equal(value, saved[name]) for name, value in model.state_dict().items())
+
+
+def _clean_steps(
+    model: nn.Module, optimizer: torch.optim.Optimizer, handle: WatchHandle, inputs: torch.Tensor, count: int
+) -> None:
+    for _ in range(count):
+        model(inputs).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        handle.step()
 
 
 def test_a_nan_born_in_backward_never_reaches_the_weights_without_watch_gradients() -> None:
@@ -211,11 +221,7 @@ def test_the_guard_reads_nothing_back_on_a_clean_step() -> None:
     model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     with watch(model, optimizer=optimizer) as handle:
-        for _ in range(3):
-            model(torch.ones(2, 3)).sum().backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            handle.step()
+        _clean_steps(model, optimizer, handle, torch.ones(2, 3), 3)
     assert handle.optimizer_step == 3
 
 
@@ -260,11 +266,7 @@ def test_a_parameter_swapped_into_the_optimizers_own_list_is_guarded() -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     outside = nn.Parameter(torch.ones(1))
     with watch(model, optimizer=optimizer) as handle:
-        for _ in range(2):
-            model(torch.ones(1, 2)).sum().backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            handle.step()
+        _clean_steps(model, optimizer, handle, torch.ones(1, 2), 2)
         optimizer.param_groups[0]["params"][3] = outside  # in place of the last bias, same length and shape
         before = _weights(model)
         (model(torch.ones(1, 2)).sum() + (outside * float("nan")).sum()).backward()
