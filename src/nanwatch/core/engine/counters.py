@@ -68,8 +68,8 @@ class Counters:
 
     @property
     def current_batch(self) -> int:
-        """The current micro-batch of the current phase."""
-        return self.batch_number if self.phase == "train" else self.eval_batch_number
+        """The current micro-batch of the current phase (derived once, in `_restamp`)."""
+        return self.stamp[0]
 
     @property
     def last_batch(self) -> int:
