@@ -8,6 +8,8 @@ step time, its ratio to the unwatched step (the median of the per-round ratios) 
 
 - `noop hook`: a forward hook that returns at once: what torch's hook dispatch alone costs (`_call_impl` leaves its
   fast path as soon as a module has a hook);
+- `noop, shortcut`: the same hook added the way nanwatch adds its own (`HookSet.add_forward`), which puts the
+  shortcut past torch's hook dispatch on the modules' classes (core/dispatch.py): what the dispatch costs nanwatch;
 - `keep reference`: the hook appends `(output, output._version)` to a list, and the step ends with one bulk
   finiteness check (the outputs stacked by shape, one reduction each, one host read): the least a watcher that
   detects inf/nan in module outputs can do. No parameters, no labels, no frames, and wrong after an in-place change
@@ -38,6 +40,7 @@ from torch import nn
 
 import nanwatch
 from nanwatch.adapters import _handles
+from nanwatch.core.hooks import HookSet
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from overhead import HookStash  # noqa: E402  (the same stash the overhead benchmark shares its model with)
@@ -77,6 +80,21 @@ class NoHooks(Variant):
 
 class NoopHook(Variant):
     name = "noop hook"
+
+
+class NoopHookShortcut(Variant):
+    """The same hook added as nanwatch adds its own (`HookSet.add_forward`): with the shortcut past torch's hook
+    dispatch on the classes (core/dispatch.py)."""
+
+    name = "noop, shortcut"
+
+    def attach(self, model: nn.Sequential, optimizer: torch.optim.Optimizer) -> None:
+        self.hooks = HookSet()
+        for module in model.modules():
+            self.hooks.add_forward(module, self.hook, with_kwargs=True)
+
+    def detach(self) -> None:
+        self.hooks.remove_all()
 
 
 def _finite_in_bulk(tensors: list[torch.Tensor]) -> bool:
@@ -158,7 +176,7 @@ class Watch(Variant):
             self.handle.close()
 
 
-VARIANTS: list[Callable[[], Variant]] = [NoHooks, NoopHook, KeepReference, CopyOutput, Watch]
+VARIANTS: list[Callable[[], Variant]] = [NoHooks, NoopHook, NoopHookShortcut, KeepReference, CopyOutput, Watch]
 
 
 def dispatch_step() -> tuple[nn.Sequential, torch.Tensor, torch.optim.Optimizer]:

@@ -340,6 +340,11 @@ class HookStash:
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         self._owners: list[object] = [*model.modules(), *model.parameters(), optimizer]
         self._hooks: list[tuple[dict[int, Any], int, Any]] = []
+        # The model's classes, and the `_call_impl` the tool put on any of them (nanwatch's shortcut past torch's
+        # hook dispatch, core/dispatch.py): taken off and put back with the hooks, so that no other variant, `none`
+        # included, runs through it.
+        self._classes = {type(module) for module in model.modules()}
+        self._call_impls: dict[type, Any] = {}
 
     def _hook_dicts(self) -> Iterator[tuple[object, str, dict[int, Any]]]:
         for owner in self._owners:
@@ -349,19 +354,29 @@ class HookStash:
 
     def capture(self, setup: Callable[[], Any]) -> Any:
         before = {(id(owner), name): set(hooks) for owner, name, hooks in self._hook_dicts()}
+        classes_before = {kind: kind.__dict__.get("_call_impl") for kind in self._classes}
         result = setup()
         for owner, name, hooks in self._hook_dicts():
             known = before.get((id(owner), name), set())
             self._hooks.extend((hooks, key, hook) for key, hook in hooks.items() if key not in known)
+        for kind, earlier in classes_before.items():
+            now = kind.__dict__.get("_call_impl")
+            if now is not earlier and earlier is None:
+                self._call_impls[kind] = now
         return result
 
     def take_off(self) -> None:
         for hooks, key, _hook in self._hooks:
             hooks.pop(key, None)
+        for kind, call_impl in self._call_impls.items():
+            if kind.__dict__.get("_call_impl") is call_impl:
+                delattr(kind, "_call_impl")
 
     def put_back(self) -> None:
         for hooks, key, hook in self._hooks:
             hooks[key] = hook
+        for kind, call_impl in self._call_impls.items():
+            kind._call_impl = call_impl
 
 
 class Variant:

@@ -19,6 +19,7 @@ from torch._dynamo.utils import counters
 
 import nanwatch
 from nanwatch import NanwatchWarning, NonFiniteError
+from nanwatch.core.compiler import with_compiled_code
 from nanwatch.core.frames import ResolvedFrame, resolve
 
 Order = Callable[[nn.Module, str], tuple[nn.Module, nanwatch.WatchHandle]]
@@ -186,6 +187,26 @@ def test_dynamic_shapes_are_reported_with_their_sizes() -> None:
     assert not counters["graph_break"]
     last = [f for f in frames if f.batch_number == 3]
     assert [e.shape for e in last[0].entries] == [(16, 8), (16,), (7, 8), (7, 16)]  # embed: weight, bias, in, out
+
+
+@pytest.mark.slow
+def test_the_dispatch_shortcut_leaves_dynamo_the_graph_it_compiles_without_it() -> None:
+    # torch.compile(model) enters the model through `__call__`, and dynamo compiles the first frame that is not
+    # torch's: the shortcut nanwatch puts on the class (core/dispatch.py) must be run as it is, so the `forward` is
+    # what compiles and the root's hooks run outside the graph, as they do past torch's own `_call_impl`.
+    x, scale = _batch(0), torch.full((), 0.5)
+    model = _net()
+    handle = nanwatch.watch(model)
+    shortcut = type(model)._call_impl.__code__
+    assert shortcut is not nn.Module._call_impl.__code__  # the shortcut is on the class
+    compiled = torch.compile(model, backend="aot_eager")
+    compiled(x, scale=scale)
+    handle.step()
+    assert with_compiled_code([shortcut]) == []  # run as it is
+    assert with_compiled_code([Net.forward.__code__]) == [Net.forward.__code__]  # compiled, as without the shortcut
+    assert not counters["graph_break"]
+    handle.close()
+    assert type(model)._call_impl is nn.Module._call_impl  # taken off the class with the hooks
 
 
 @pytest.mark.slow

@@ -22,6 +22,8 @@ from typing import Any, Protocol
 import torch
 from torch.utils.hooks import RemovableHandle
 
+from nanwatch.core.dispatch import Shortcut, shortcut
+
 __all__ = [
     "HookSet",
     "named_unique_modules",
@@ -37,8 +39,6 @@ __all__ = [
 # The attribute under which a wrapper module keeps the module it wraps (FSDP1, torch.distributed's checkpoint_wrapper).
 WRAPPER_ATTRIBUTES = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module")
 _graph_task_id = torch._C._current_graph_task_id
-
-ForwardHook = Callable[[torch.nn.Module, tuple[Any, ...], Any], None]
 
 
 class Removable(Protocol):
@@ -109,10 +109,17 @@ class HookSet:
 
     def __init__(self) -> None:
         self._handles: list[RemovableHandle | Removable] = []
+        self._shortcuts: list[Shortcut] = []  # one per forward hook added, let go with the hooks
 
-    def add_forward(self, module: torch.nn.Module, hook: ForwardHook, *, prepend: bool = False) -> None:
-        """A forward hook on `module`, after its other forward hooks (`prepend=True`: before them)."""
-        self._handles.append(module.register_forward_hook(hook, prepend=prepend))
+    def add_forward(
+        self, module: torch.nn.Module, hook: Callable[..., Any], *, with_kwargs: bool = False, prepend: bool = False
+    ) -> None:
+        """A forward hook on `module`, after its other forward hooks (`prepend=True`: before them); with
+        `with_kwargs=True` it is called with the keyword arguments too (`hook(module, args, kwargs, output)`). While
+        the module has no hooks but nanwatch's, its calls take the shortcut past torch's hook dispatch
+        (core/dispatch.py)."""
+        self._handles.append(module.register_forward_hook(hook, with_kwargs=with_kwargs, prepend=prepend))
+        self._shortcuts.append(shortcut(module))
 
     def add_handle(self, handle: RemovableHandle | Removable) -> None:
         self._handles.append(handle)
@@ -120,6 +127,8 @@ class HookSet:
     def remove_all(self) -> None:
         while self._handles:
             self._handles.pop().remove()
+        while self._shortcuts:
+            self._shortcuts.pop().remove()
 
     @contextlib.contextmanager
     def suspended(self) -> Iterator[None]:

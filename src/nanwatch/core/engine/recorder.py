@@ -178,9 +178,7 @@ class Recorder:
             # On a module FSDP2 manages, before FSDP's own forward hook frees the gathered parameters; keyword inputs
             # are inputs too (`model(**batch)`).
             hook = self.make_hook(name, module_class_name(module))
-            hooks.add_handle(
-                module.register_forward_hook(hook, with_kwargs=True, prepend=reshards_after_forward(module))
-            )
+            hooks.add_forward(module, hook, with_kwargs=True, prepend=reshards_after_forward(module))
             self.modules.setdefault(name, module)
         self._cache.track_parameters(p for _, m in selected for p in m._parameters.values() if p is not None)
         self._deferral.hooked([module for _, module in selected])
