@@ -20,8 +20,8 @@ library's hooks (FSDP's, a user's pre-hook) run exactly as they would. What stay
 - the attribute is taken off the class when the last hooked module of it lets its hooks go (or its handle is
   garbage-collected unremoved).
 
-While it is on, another module of the same class, without hooks, takes the shortcut's first test and goes on to
-torch's `_call_impl`: one Python call more (about 0.1 us).
+While it is on, a module of the same class without hooks takes the shortcut's first test and goes on to torch's
+`_call_impl`: one Python call more.
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ def _call_impl(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         # so when anything raises there is nothing else to run: the exception goes up as it is.
         result = self.forward(*args, **kwargs)
         with_kwargs = self._forward_hooks_with_kwargs
-        if len(hooks) == 1:  # nanwatch's one hook: taken out of the dict before it runs, as torch takes them all
+        if len(hooks) == 1:  # nanwatch's one hook, most often: read out of the dict before it runs, as torch reads all
             ((hook_id, hook),) = hooks.items()
             hook_result = hook(self, args, kwargs, result) if hook_id in with_kwargs else hook(self, args, result)
             return result if hook_result is None else hook_result
@@ -138,7 +138,7 @@ def _release(kind: type) -> None:
 
 
 def shortcut_on(module: torch.nn.Module) -> bool:
-    """Whether `module`'s calls go through the shortcut (when only nanwatch's forward hooks are on it)."""
+    """Whether `module`'s class carries the shortcut (its calls take it while it has plain forward hooks only)."""
     return getattr(type(module), "_call_impl", None) is _call_impl
 
 

@@ -116,7 +116,7 @@ class HookSet:
     ) -> None:
         """A forward hook on `module`, after its other forward hooks (`prepend=True`: before them); with
         `with_kwargs=True` it is called with the keyword arguments too (`hook(module, args, kwargs, output)`). While
-        the module has no hooks but nanwatch's, its calls take the shortcut past torch's hook dispatch
+        the module has plain forward hooks only, its calls take the shortcut past torch's hook dispatch
         (core/dispatch.py)."""
         self._handles.append(module.register_forward_hook(hook, with_kwargs=with_kwargs, prepend=prepend))
         self._shortcuts.append(shortcut(module))
