@@ -163,6 +163,22 @@ def test_the_shortcut_calls_what_torch_calls_or_leaves_it_to_torch(
     assert (len(torch_calls) == 0) is shortcut_taken
 
 
+def test_a_module_of_the_class_without_hooks_calls_its_forward_and_one_with_a_pre_hook_goes_to_torch(
+    torch_calls: list[nn.Module],
+) -> None:
+    hooks = HookSet()
+    hooks.add_forward(Affine(), _nothing)  # puts the shortcut on the class
+    unhooked, pre_hooked = Affine(), Affine()
+    seen: list[str] = []
+    pre_hooked.register_forward_pre_hook(lambda *_: seen.append("pre"))
+    assert unhooked(torch.ones(2), shift=1.0).tolist() == [3.0, 4.0]
+    assert torch_calls == []  # straight to its forward, as torch's fast path goes
+    assert pre_hooked(torch.ones(2)).tolist() == [2.0, 3.0]
+    assert torch_calls == [pre_hooked]
+    assert seen == ["pre"]
+    hooks.remove_all()
+
+
 def test_exceptions_go_up_unchanged_from_the_forward_and_from_a_hook(torch_calls: list[nn.Module]) -> None:
     module, hooks = Affine(), HookSet()
 

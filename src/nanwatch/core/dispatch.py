@@ -20,8 +20,8 @@ library's hooks (FSDP's, a user's pre-hook) run exactly as they would. What stay
 - the attribute is taken off the class when the last hooked module of it lets its hooks go (or its handle is
   garbage-collected unremoved).
 
-While it is on, a module of the same class without hooks takes the shortcut's first test and goes on to torch's
-`_call_impl`: one Python call more.
+While it is on, a module of the same class without hooks takes torch's fast path in the shortcut (the same tests,
+then `forward`), as it would in torch's `_call_impl`.
 """
 
 from __future__ import annotations
@@ -71,33 +71,41 @@ _OTHER_HOOK_DICTS = frozenset(
 
 
 def _call_impl(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-    """torch's `Module._call_impl` for a module with plain forward hooks only (none `always_call`), nothing else
-    hooked, no tracer and no compiler at work; torch's own for anything else."""
-    hooks = self._forward_hooks
+    """torch's `Module._call_impl` for a module with plain forward hooks only (none `always_call`), or with no hook at
+    all, while no tracer and no compiler is at work; torch's own for anything else."""
     if (
-        hooks
-        and not (self._forward_pre_hooks or self._backward_hooks or self._backward_pre_hooks)
-        and not (_global_forward_hooks or _global_forward_pre_hooks or _global_backward_hooks)
-        and not (_global_backward_pre_hooks or self._forward_hooks_always_called)
-        and _tracing_state() is None
-        and not (_dynamo_compiling() or _compiler._is_compiling_flag)
+        self._forward_pre_hooks
+        or self._backward_hooks
+        or self._backward_pre_hooks
+        or self._forward_hooks_always_called
+        or _global_forward_hooks
+        or _global_forward_pre_hooks
+        or _global_backward_hooks
+        or _global_backward_pre_hooks
+        or _tracing_state() is not None
     ):
-        # What torch's general path does then: `forward`, and after it each hook in order (those registered
-        # `with_kwargs` get the keyword arguments too); a hook's result replaces the output. No hook is `always_call`,
-        # so when anything raises there is nothing else to run: the exception goes up as it is.
-        result = self.forward(*args, **kwargs)
-        with_kwargs = self._forward_hooks_with_kwargs
-        if len(hooks) == 1:  # nanwatch's one hook, most often: read out of the dict before it runs, as torch reads all
-            ((hook_id, hook),) = hooks.items()
-            hook_result = hook(self, args, kwargs, result) if hook_id in with_kwargs else hook(self, args, result)
-            return result if hook_result is None else hook_result
-        for hook_id, hook in (*hooks.items(),):
-            hook_result = hook(self, args, kwargs, result) if hook_id in with_kwargs else hook(self, args, result)
-            if hook_result is not None:
-                result = hook_result
-        return result
-    # torch's, read now: a profiler or debugger that wraps `Module._call_impl` after nanwatch was imported is obeyed.
-    return _Module._call_impl(self, *args, **kwargs)  # type: ignore[no-untyped-call]
+        # torch's, read now: a profiler or debugger that wraps `Module._call_impl` after nanwatch was imported is
+        # obeyed.
+        return _Module._call_impl(self, *args, **kwargs)  # type: ignore[no-untyped-call]
+    hooks = self._forward_hooks
+    if not hooks:  # a module of the class that is not hooked: torch's fast path, as torch's own would take it
+        return self.forward(*args, **kwargs)
+    if _dynamo_compiling() or _compiler._is_compiling_flag:
+        return _Module._call_impl(self, *args, **kwargs)  # type: ignore[no-untyped-call]
+    # What torch's general path does here: `forward`, and after it each hook in order (those registered `with_kwargs`
+    # get the keyword arguments too); a hook's result replaces the output. No hook is `always_call`, so when anything
+    # raises there is nothing else to run: the exception goes up as it is.
+    result = self.forward(*args, **kwargs)
+    with_kwargs = self._forward_hooks_with_kwargs
+    if len(hooks) == 1:  # nanwatch's one hook, most often: read out of the dict before it runs, as torch reads all
+        ((hook_id, hook),) = hooks.items()
+        hook_result = hook(self, args, kwargs, result) if hook_id in with_kwargs else hook(self, args, result)
+        return result if hook_result is None else hook_result
+    for hook_id, hook in (*hooks.items(),):
+        hook_result = hook(self, args, kwargs, result) if hook_id in with_kwargs else hook(self, args, result)
+        if hook_result is not None:
+            result = hook_result
+    return result
 
 
 class Shortcut:
