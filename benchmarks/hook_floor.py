@@ -6,6 +6,8 @@ hooks that do less and less of what watching needs, beside nanwatch's own `watch
 once per round, in an order that rotates; each attached for one untimed step, then one timed), and prints each one's
 step time, its ratio to the unwatched step (the median of the per-round ratios) and the time it adds per module call:
 
+- `none, shortcut on`: no hook on the model, while its classes carry nanwatch's shortcut past torch's hook dispatch
+  (core/dispatch.py) because another module of each class is hooked: what an unwatched module pays for it;
 - `noop hook`: a forward hook that returns at once: what torch's hook dispatch alone costs (`_call_impl` leaves its
   fast path as soon as a module has a hook);
 - `noop, shortcut`: the same hook added the way nanwatch adds its own (`HookSet.add_forward`), which puts the
@@ -80,6 +82,22 @@ class NoHooks(Variant):
 
 class NoopHook(Variant):
     name = "noop hook"
+
+
+class UnhookedShortcutClasses(Variant):
+    """No hook on the model, while its classes carry the shortcut (another module of each class is hooked): what a
+    module nanwatch does not watch pays for the shortcut on its class (an EMA copy, modules `include_modules` left
+    out)."""
+
+    name = "none, shortcut on"
+
+    def attach(self, model: nn.Sequential, optimizer: torch.optim.Optimizer) -> None:
+        self.hooks = HookSet()
+        for other in (nn.Linear(1, 1), nn.Tanh(), nn.Sequential()):  # the model's classes, hooked elsewhere
+            self.hooks.add_forward(other, self.hook)
+
+    def detach(self) -> None:
+        self.hooks.remove_all()
 
 
 class NoopHookShortcut(Variant):
@@ -176,7 +194,15 @@ class Watch(Variant):
             self.handle.close()
 
 
-VARIANTS: list[Callable[[], Variant]] = [NoHooks, NoopHook, NoopHookShortcut, KeepReference, CopyOutput, Watch]
+VARIANTS: list[Callable[[], Variant]] = [
+    NoHooks,
+    UnhookedShortcutClasses,
+    NoopHook,
+    NoopHookShortcut,
+    KeepReference,
+    CopyOutput,
+    Watch,
+]
 
 
 def dispatch_step() -> tuple[nn.Sequential, torch.Tensor, torch.optim.Optimizer]:
