@@ -84,35 +84,40 @@ class NoopHook(Variant):
     name = "noop hook"
 
 
-class UnhookedShortcutClasses(Variant):
+class _ThroughHookSet(Variant):
+    """A variant whose hooks nanwatch's `HookSet` adds (so the classes carry the shortcut past torch's hook dispatch,
+    core/dispatch.py), all taken off again after its step."""
+
+    def hooked(self, model: nn.Sequential) -> list[nn.Module]:
+        raise NotImplementedError
+
+    def attach(self, model: nn.Sequential, optimizer: torch.optim.Optimizer) -> None:
+        self.hooks = HookSet()
+        for module in self.hooked(model):
+            self.hooks.add_forward(module, self.hook, with_kwargs=True)
+
+    def detach(self) -> None:
+        self.hooks.remove_all()
+
+
+class UnhookedShortcutClasses(_ThroughHookSet):
     """No hook on the model, while its classes carry the shortcut (another module of each class is hooked): what a
     module nanwatch does not watch pays for the shortcut on its class (an EMA copy, modules `include_modules` left
     out)."""
 
     name = "none, shortcut on"
 
-    def attach(self, model: nn.Sequential, optimizer: torch.optim.Optimizer) -> None:
-        self.hooks = HookSet()
-        for other in (nn.Linear(1, 1), nn.Tanh(), nn.Sequential()):  # the model's classes, hooked elsewhere
-            self.hooks.add_forward(other, self.hook)
-
-    def detach(self) -> None:
-        self.hooks.remove_all()
+    def hooked(self, model: nn.Sequential) -> list[nn.Module]:
+        return [nn.Linear(1, 1), nn.Tanh(), nn.Sequential()]  # the model's classes, hooked elsewhere
 
 
-class NoopHookShortcut(Variant):
-    """The same hook added as nanwatch adds its own (`HookSet.add_forward`): with the shortcut past torch's hook
-    dispatch on the classes (core/dispatch.py)."""
+class NoopHookShortcut(_ThroughHookSet):
+    """The same hook that returns at once, added as nanwatch adds its own: through the shortcut."""
 
     name = "noop, shortcut"
 
-    def attach(self, model: nn.Sequential, optimizer: torch.optim.Optimizer) -> None:
-        self.hooks = HookSet()
-        for module in model.modules():
-            self.hooks.add_forward(module, self.hook, with_kwargs=True)
-
-    def detach(self) -> None:
-        self.hooks.remove_all()
+    def hooked(self, model: nn.Sequential) -> list[nn.Module]:
+        return list(model.modules())
 
 
 def _finite_in_bulk(tensors: list[torch.Tensor]) -> bool:

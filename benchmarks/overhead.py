@@ -361,7 +361,7 @@ class HookStash:
             self._hooks.extend((hooks, key, hook) for key, hook in hooks.items() if key not in known)
         for kind, earlier in classes_before.items():
             now = kind.__dict__.get("_call_impl")
-            if now is not earlier and earlier is None:
+            if earlier is None and now is not None:  # the tool put it there
                 self._call_impls[kind] = now
         return result
 
