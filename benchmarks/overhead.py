@@ -328,6 +328,10 @@ def build_model(vocab: int, seq: int, seed: int) -> torch.nn.Module:
     return GPT2LMHeadModel(config)
 
 
+# What a tool may put on a model's classes for as long as it watches (see HookStash).
+_CLASS_HOOKS = ("__call__", "_call_impl")
+
+
 class HookStash:
     """The hooks a tool put on a model, taken off and put back, so several tools can share one model.
 
@@ -340,11 +344,11 @@ class HookStash:
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         self._owners: list[object] = [*model.modules(), *model.parameters(), optimizer]
         self._hooks: list[tuple[dict[int, Any], int, Any]] = []
-        # The model's classes, and the `_call_impl` the tool put on any of them (nanwatch's shortcut past torch's
-        # hook dispatch, core/dispatch.py): taken off and put back with the hooks, so that no other variant, `none`
-        # included, runs through it.
+        # The model's classes, and what the tool put on any of them (nanwatch's shortcut past torch's hook dispatch,
+        # core/dispatch.py: a `__call__`, a `_call_impl` in nanwatch before 2026-12-05): taken off and put back with
+        # the hooks, so that no other variant, `none` included, runs through it.
         self._classes = {type(module) for module in model.modules()}
-        self._call_impls: dict[type, Any] = {}
+        self._on_classes: dict[tuple[type, str], Any] = {}
 
     def _hook_dicts(self) -> Iterator[tuple[object, str, dict[int, Any]]]:
         for owner in self._owners:
@@ -354,29 +358,29 @@ class HookStash:
 
     def capture(self, setup: Callable[[], Any]) -> Any:
         before = {(id(owner), name): set(hooks) for owner, name, hooks in self._hook_dicts()}
-        classes_before = {kind: kind.__dict__.get("_call_impl") for kind in self._classes}
+        classes_before = {(kind, name): kind.__dict__.get(name) for kind in self._classes for name in _CLASS_HOOKS}
         result = setup()
         for owner, name, hooks in self._hook_dicts():
             known = before.get((id(owner), name), set())
             self._hooks.extend((hooks, key, hook) for key, hook in hooks.items() if key not in known)
-        for kind, earlier in classes_before.items():
-            now = kind.__dict__.get("_call_impl")
+        for (kind, name), earlier in classes_before.items():
+            now = kind.__dict__.get(name)
             if earlier is None and now is not None:  # the tool put it there
-                self._call_impls[kind] = now
+                self._on_classes[kind, name] = now
         return result
 
     def take_off(self) -> None:
         for hooks, key, _hook in self._hooks:
             hooks.pop(key, None)
-        for kind, call_impl in self._call_impls.items():
-            if kind.__dict__.get("_call_impl") is call_impl:
-                delattr(kind, "_call_impl")
+        for (kind, name), put in self._on_classes.items():
+            if kind.__dict__.get(name) is put:
+                delattr(kind, name)
 
     def put_back(self) -> None:
         for hooks, key, hook in self._hooks:
             hooks[key] = hook
-        for kind, call_impl in self._call_impls.items():
-            kind._call_impl = call_impl
+        for (kind, name), put in self._on_classes.items():
+            setattr(kind, name, put)
 
 
 class Variant:

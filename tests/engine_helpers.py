@@ -54,7 +54,7 @@ def deferred_calls(watcher: Watcher) -> int:
     deferral = watcher._recorder._deferral
     return sum(
         1
-        for frame in watcher._recorder._pending
+        for frame in watcher._recorder.unsettled
         if type(frame) is DeferredFrame and frame._source[6] is deferral._outputs  # this round's, not yet measured
     )
 

@@ -20,6 +20,7 @@ from torch._dynamo.utils import counters
 import nanwatch
 from nanwatch import NanwatchWarning, NonFiniteError
 from nanwatch.core.compiler import with_compiled_code
+from nanwatch.core.dispatch import shortcut_on
 from nanwatch.core.frames import ResolvedFrame, resolve
 
 Order = Callable[[nn.Module, str], tuple[nn.Module, nanwatch.WatchHandle]]
@@ -193,12 +194,12 @@ def test_dynamic_shapes_are_reported_with_their_sizes() -> None:
 def test_the_dispatch_shortcut_leaves_dynamo_the_graph_it_compiles_without_it() -> None:
     # torch.compile(model) enters the model through `__call__`, and dynamo compiles the first frame that is not
     # torch's: the shortcut nanwatch puts on the class (core/dispatch.py) must be run as it is, so the `forward` is
-    # what compiles and the root's hooks run outside the graph, as they do past torch's own `_call_impl`.
+    # what compiles and the root's hooks run outside the graph, as they do past torch's own `__call__`.
     x, scale = _batch(0), torch.full((), 0.5)
     model = _net()
     handle = nanwatch.watch(model)
-    shortcut = type(model)._call_impl.__code__
-    assert shortcut is not nn.Module._call_impl.__code__  # the shortcut is on the class
+    shortcut = type(model).__call__.__code__
+    assert shortcut is not nn.Module.__call__.__code__  # the shortcut is on the class
     compiled = torch.compile(model, backend="aot_eager")
     compiled(x, scale=scale)
     handle.step()
@@ -206,7 +207,27 @@ def test_the_dispatch_shortcut_leaves_dynamo_the_graph_it_compiles_without_it() 
     assert with_compiled_code([Net.forward.__code__]) == [Net.forward.__code__]  # compiled, as without the shortcut
     assert not counters["graph_break"]
     handle.close()
-    assert type(model)._call_impl is nn.Module._call_impl  # taken off the class with the hooks
+    assert type(model).__call__ is nn.Module.__call__  # taken off the class with the hooks
+
+
+@pytest.mark.slow
+def test_a_module_compiled_in_place_runs_its_compiled_code_under_the_shortcut() -> None:
+    # `module.compile()` keeps the module and sets its `_compiled_call_impl`, which torch's `__call__` runs instead of
+    # `_call_impl`: the shortcut on the class (a block, not the root, whose adapter pre-hook sends every call to torch's
+    # path anyway) must step aside for it, or the compiled code would never run.
+    scale = torch.full((), 0.5)
+    model = _net()
+    handle = nanwatch.watch(model)
+    assert shortcut_on(model.blocks[0])
+    model.blocks[0].compile(backend="aot_eager")
+    for index in range(3):
+        model(_batch(index), scale=scale)
+        handle.step()
+    assert with_compiled_code([Block.forward.__code__]) == [Block.forward.__code__]
+    assert not counters["graph_break"]
+    frames = resolve(handle.watcher.recent_frames())
+    handle.close()
+    assert _shape(frames) == _shape(_eager_frames(3))  # what eager mode records, the block's frames from its graph
 
 
 @pytest.mark.slow

@@ -39,6 +39,13 @@ class OwnCallImpl(Affine):
         return super()._call_impl(*args, **kwargs) + 100
 
 
+class OwnCall(Affine):
+    """A class with a `__call__` of its own (as `torch.fx.GraphModule` has): left alone too."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return super().__call__(*args, **kwargs) + 1000
+
+
 Events = list[tuple[Any, ...]]
 
 
@@ -200,19 +207,19 @@ def test_the_class_carries_the_shortcut_while_a_hooked_module_of_it_does() -> No
     first.add_forward(a, lambda *_: None)
     second.add_forward(b, lambda *_: None)
     assert shortcut_on(a)
-    assert "_call_impl" in vars(Affine)
+    assert "__call__" in vars(Affine)
     first.remove_all()
     assert shortcut_on(b)  # the second set still holds a module of the class
     second.remove_all()
     assert not shortcut_on(a)
-    assert "_call_impl" not in vars(Affine)
-    assert Affine._call_impl is nn.Module._call_impl
+    assert "__call__" not in vars(Affine)
+    assert Affine.__call__ is nn.Module.__call__
 
 
 def test_a_shortcut_someone_took_off_the_class_is_put_back_by_the_next_hook() -> None:
     first, second = HookSet(), HookSet()
     first.add_forward(Affine(), _nothing)
-    del Affine._call_impl  # a tool that shares the model took it off (benchmarks/overhead.py's HookStash does)
+    del Affine.__call__  # a tool that shares the model took it off (benchmarks/overhead.py's HookStash does)
     module = Affine()
     second.add_forward(module, _nothing)
     assert shortcut_on(module)
@@ -232,18 +239,38 @@ def test_a_hook_set_dropped_without_removal_lets_the_class_go_when_collected() -
     assert not shortcut_on(module)
 
 
-def test_classes_with_their_own_call_impl_and_plain_modules_keep_torchs() -> None:
+def test_classes_with_their_own_call_or_call_impl_and_plain_modules_keep_torchs() -> None:
     hooks = HookSet()
-    own, plain = OwnCallImpl(), nn.Module()
+    own_impl, own_call, plain = OwnCallImpl(), OwnCall(), nn.Module()
     plain.forward = lambda x: x  # type: ignore[method-assign]
     seen: list[str] = []
-    hooks.add_forward(own, lambda *_: seen.append("own"))
+    hooks.add_forward(own_impl, lambda *_: seen.append("own _call_impl"))
+    hooks.add_forward(own_call, lambda *_: seen.append("own __call__"))
     hooks.add_forward(plain, lambda *_: seen.append("plain"))
-    assert not shortcut_on(own)
+    assert not shortcut_on(own_impl)
+    assert not shortcut_on(own_call)
     assert not shortcut_on(plain)
-    assert own(torch.ones(2)).tolist() == [102.0, 103.0]  # its own `_call_impl` still runs
+    assert own_impl(torch.ones(2)).tolist() == [102.0, 103.0]  # its own `_call_impl` still runs
+    assert own_call(torch.ones(2)).tolist() == [1002.0, 1003.0]  # and its own `__call__`
     plain(torch.ones(2))
-    assert seen == ["own", "plain"]
+    assert seen == ["own _call_impl", "own __call__", "plain"]
+    hooks.remove_all()
+
+
+def test_a_tracer_that_patches_module_call_is_obeyed() -> None:
+    # torch.fx (and export's tracers) patch `nn.Module.__call__` to see each module call: leaf modules become
+    # `call_module` nodes. A class-level shortcut would hide the calls from the patch; it steps aside instead.
+    torch.manual_seed(0)
+    model, hooks = nn.Sequential(nn.Linear(2, 2), nn.Tanh()), HookSet()
+    seen: list[nn.Module] = []
+    for module in model:
+        hooks.add_forward(module, _remember_module(seen))
+    assert shortcut_on(model[0])
+    graph = torch.fx.symbolic_trace(model).graph
+    assert [node.target for node in graph.nodes if node.op == "call_module"] == ["0", "1"]
+    assert seen == []  # fx's leaf modules are not run while tracing
+    model(torch.ones(1, 2))  # and after tracing, the shortcut again
+    assert seen == [model[0], model[1]]
     hooks.remove_all()
 
 

@@ -1,9 +1,9 @@
 """Recording: a forward hook per watched module makes a frame of what the call saw, eagerly or inside a graph.
 
-One closure per module, with no per-feature dispatch inside it (a feature that needs per-call work registers hooks of
-its own). Every frame, from a hook, a compiled graph, a feature (backward frames) or the loss, joins the pending
-frames through one step, `append`: traced if the batch is traced, and checked early if a loop that never ends its
-batches lets them pile up.
+One hook per module (core/engine/module_hook.py: the hot path), with no per-feature dispatch inside it (a feature that
+needs per-call work registers hooks of its own). Every frame, from a hook, a compiled graph, a feature (backward
+frames) or the loss, joins the pending frames through one step, `append`: traced if the batch is traced, and checked
+early if a loop that never ends its batches lets them pile up.
 
 The common call (one tensor in, one small floating-point tensor out, no keywords) is deferred once its module has
 shown that nothing changes its outputs in place after the call: its frame is made at the check (core/engine/
@@ -28,6 +28,7 @@ from nanwatch.core.compiler import (
 from nanwatch.core.engine.counters import Counters
 from nanwatch.core.engine.deferral import Deferral, Site
 from nanwatch.core.engine.deferred_frames import Settled
+from nanwatch.core.engine.module_hook import MAX_PENDING_FRAMES, ModuleHook
 from nanwatch.core.frames import Direction, Entry, Frame, Role
 from nanwatch.core.hooks import HookSet, module_class_name, reshards_after_forward
 from nanwatch.core.log import warn
@@ -56,20 +57,11 @@ from nanwatch.errors import NanwatchError
 
 __all__ = ["MAX_PENDING_FRAMES", "Recorder", "hook_code", "own_code"]
 
-# A loop that never ends its batches would grow the pending frames without bound; past this many (a few tens of MB),
-# they are checked and moved into the ring (a host read mid-batch, which a loop that ends its batches never pays).
-MAX_PENDING_FRAMES = 20_000
 _PARAMETER, _INPUT, _OUTPUT = Role.PARAMETER, Role.INPUT, Role.OUTPUT
-_FORWARD, _RECOMPUTE = Direction.FORWARD, Direction.RECOMPUTE
+_FORWARD = Direction.FORWARD
 _ROLES = {role.value: role for role in Role}
 _PLAIN_PARAMETERS = (torch.nn.Parameter, torch.Tensor)
 _is_compiling = torch.compiler.is_compiling
-# What the hook asks first: true while Dynamo traces it (it knows the function), and torch's flag for the other
-# tracers (non-strict export); cheaper than `is_compiling()`, which asks TorchScript first.
-_dynamo_compiling = torch.compiler.is_dynamo_compiling
-_compiler = torch.compiler
-# -1 unless autograd runs a backward on this thread: what `hooks.recomputing()` asks, called here directly.
-_graph_task_id = torch._C._current_graph_task_id
 
 FrameHandler = Callable[[Frame, torch.nn.Module, tuple[Any, ...], Any], None]
 
@@ -96,7 +88,8 @@ class Recorder:
         overflow: Callable[[], None],
         disable: Callable[[str], None],
     ) -> None:
-        self._pending: list[Any] = []  # frames (those of deferred calls are read once `settle` measured them)
+        # The pending frames as they are (those of deferred calls are read once `settle` measured them): `pending`.
+        self.unsettled: list[Any] = []
         self._deferral = Deferral(counters, cache)
         self.recording = True  # False in an unwatched batch or phase, or once watching is disabled: hooks return
         self.tracing = False
@@ -104,10 +97,10 @@ class Recorder:
         self.modules: dict[str, torch.nn.Module] = {}  # the watched modules by name, for traced compiled frames
         self._counters = counters
         self._cache = cache
-        self._show_recomputes = show_recomputes
+        self.show_recomputes = show_recomputes
         self._trace = trace
-        self._overflow = overflow
-        self._disable = disable
+        self.overflow = overflow
+        self.disable = disable
         # Under torch.compile the hooks' records arrive here as the graph runs (`_take_compiled`).
         self.sink = Sink(self._take_compiled)
         self._outside: list[Callable[[], Any]] = []  # adapter hooks run from inside a graph (`outside_graph`)
@@ -117,12 +110,12 @@ class Recorder:
         """The frames recorded since the last check, in the order of the calls (the deferred calls' outputs measured
         now)."""
         if self._deferral.waiting:
-            self._deferral.settle(self._pending)
-        return self._pending
+            self._deferral.settle(self.unsettled)
+        return self.unsettled
 
     @pending.setter
     def pending(self, frames: list[Frame]) -> None:
-        self._pending = frames
+        self.unsettled = frames
         self._deferral.forget()
 
     @property
@@ -132,7 +125,7 @@ class Recorder:
 
     def drop_pending(self) -> None:
         """Forget what is pending without reading it (watching stops, or the watch ends)."""
-        self._pending = []
+        self.unsettled = []
         self._deferral.forget(probes=True)
 
     def append(
@@ -140,22 +133,22 @@ class Recorder:
     ) -> None:
         """The one way a frame joins the pending frames. A frame of no module (the loss, `Watcher.watch_loss`) is not
         traced: a trace shows module calls."""
-        pending = self._pending
+        pending = self.unsettled
         pending.append(frame)
         if self.tracing and module is not None:
             self._trace(frame, module, args, output)
         if len(pending) > MAX_PENDING_FRAMES:
-            self._overflow()
+            self.overflow()
 
     def is_last(self, frame: Frame) -> bool:
         """True when `frame` is the latest pending frame (asked without making the deferred calls' frames)."""
-        pending = self._pending
+        pending = self.unsettled
         return bool(pending) and pending[-1] is frame
 
     def take_pending(self) -> list[Frame]:
         """The pending frames, handed over to a check (none are pending after)."""
         pending = self.pending
-        self._pending = []
+        self.unsettled = []
         self._deferral.forget()
         return pending
 
@@ -195,43 +188,12 @@ class Recorder:
     # ----------------------------------------------------------------------------------------- the hot path
 
     def make_hook(self, name: str, class_name: str) -> Any:
-        """The forward hook (with keyword inputs) that records `name`'s calls."""
-        prefix, kernels, record = frame_key(self.sink.token, name, class_name), self._cache.kernels, self._record
-        show_recomputes = self._show_recomputes
-        site, defer = self._deferral.site(name, class_name), self._deferral.defer
+        """The forward hook (with keyword inputs) that records `name`'s calls (core/engine/module_hook.py)."""
+        site = self._deferral.site(name, class_name)
+        hook = ModuleHook(self, self._deferral, site, frame_key(self.sink.token, name, class_name), self._cache.kernels)
+        return hook.forward_hook
 
-        def forward_hook(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
-            if not self.recording:
-                return
-            if _dynamo_compiling() or _compiler._is_compiling_flag:
-                # A graph is being traced (Dynamo, export): the statistics go into the graph, the bookkeeping runs
-                # after each call of it (core/stats/compiled.py).
-                record_call(prefix, module, args, kwargs, output, kernels)
-                return
-            try:
-                # A recompute of activation checkpointing (during backward) repeats a call already recorded, not a new
-                # one: it is part of the backward story, shown with it (watch_gradients) as a frame marked
-                # `(recompute)`. `recomputing()`, asked here without a second compile check.
-                if _graph_task_id() != -1:
-                    if show_recomputes:
-                        record(site, module, args, kwargs, output, _RECOMPUTE)
-                elif (
-                    site.defer
-                    and not kwargs
-                    and len(args) == 1
-                    and not self.tracing
-                    and defer(pending := self._pending, site, module, args[0], output)
-                ):
-                    if len(pending) > MAX_PENDING_FRAMES:
-                        self._overflow()
-                else:
-                    record(site, module, args, kwargs, output, _FORWARD)
-            except Exception as error:  # our bookkeeping must never kill a healthy run
-                self._disable(f"recording {name or type(module).__name__} failed: {error!r}")
-
-        return forward_hook
-
-    def _record(
+    def record(
         self,
         site: Site,
         module: torch.nn.Module,
@@ -271,7 +233,7 @@ class Recorder:
 
     def settle(self) -> None:
         """Measure the outputs of the deferred calls, whose frames wait in the pending list."""
-        self._deferral.settle(self._pending)
+        self._deferral.settle(self.unsettled)
 
     def record_loss(self, loss: torch.Tensor) -> None:
         """A loss computed outside the watched modules, as a frame of its own (module `(loss)`, not traced)."""
@@ -354,7 +316,7 @@ class Recorder:
         except NanwatchError:
             raise
         except Exception as error:  # our bookkeeping must never kill a healthy run
-            self._disable(f"recording {template.module_name or template.class_name} (compiled) failed: {error!r}")
+            self.disable(f"recording {template.module_name or template.class_name} (compiled) failed: {error!r}")
 
     # ------------------------------------------------------------------------------------------ compiled code
 
@@ -386,7 +348,7 @@ class Recorder:
 
 def hook_code() -> list[types.CodeType]:
     """The code of nanwatch's module hooks, which a compiled root's `_call_impl` calls outside its `forward`."""
-    return nested_code(Recorder.make_hook, Recorder.outside_graph)
+    return [ModuleHook.forward_hook.__code__, *nested_code(Recorder.outside_graph)]
 
 
 def own_code() -> list[types.CodeType]:
