@@ -23,6 +23,7 @@ step time, its ratio to the unwatched step (the median of the per-round ratios) 
   are a long run's steady state.
 
     python benchmarks/hook_floor.py --rounds 40
+    python benchmarks/hook_floor.py --rounds 40 --only "nanwatch watch"   # none and watch alone, nothing between
 
 Nothing here is asserted: the figures are what the machine does (issue 21's closing note quotes them).
 """
@@ -226,12 +227,21 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=40, help="paired rounds (every variant once per round)")
     parser.add_argument("--warmup", type=int, default=5, help="steps of each variant before timing")
     parser.add_argument("--threads", type=int, default=2)
+    names = [make.name for make in VARIANTS]
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        choices=names,
+        metavar="VARIANT",
+        help=f"time only these variants, `none` always among them (one of: {', '.join(map(repr, names))})",
+    )
     args = parser.parse_args()
     if args.rounds < 1 or args.warmup < 0:
         parser.error(f"--rounds must be positive and --warmup not negative, got {args.rounds}, {args.warmup}")
     torch.set_num_threads(args.threads)
     model, inputs, optimizer = dispatch_step()
-    variants = [make() for make in VARIANTS]
+    chosen = set(args.only or names) | {NoHooks.name}
+    variants = [make() for make in VARIANTS if make.name in chosen]
 
     def step(variant: Variant) -> float:
         start = time.perf_counter()

@@ -78,6 +78,18 @@ class ModuleHook:
         self.recorder, self.deferral, self.site = recorder, deferral, site
         self.prefix, self.kernels = prefix, kernels
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> ModuleHook:
+        # `copy.deepcopy(model)` (an EMA copy) copies the modules' hook dicts, and a bound method's object with them:
+        # the copy shares this hook, as it would share a plain function hook, rather than copying the recorder and
+        # everything it holds.
+        return self
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        raise TypeError(
+            f"nanwatch's hook on module {self.site.name or self.site.class_name!r} cannot be pickled: pickle or save "
+            "the model's state_dict(), or close the watch handle (its hooks go with it) before pickling the model"
+        )
+
     def forward_hook(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
         recorder = self.recorder
         if not recorder.recording:
