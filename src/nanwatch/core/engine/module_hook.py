@@ -38,6 +38,10 @@ _compiler = torch.compiler
 _graph_task_id = torch._C._current_graph_task_id
 
 
+# `(site, module, args, kwargs, output, direction)`: a call recorded as it returns.
+RecordCall = Callable[[Site, torch.nn.Module, tuple[Any, ...], dict[str, Any], Any, Direction], None]
+
+
 class Recording(Protocol):
     """What a module's hook reads of the recorder (core/engine/recorder.py's `Recorder`)."""
 
@@ -46,15 +50,8 @@ class Recording(Protocol):
     show_recomputes: bool  # activation checkpointing's recomputes are recorded (watch_gradients)
     unsettled: list[Any]  # the pending frames as they are: those of deferred calls not measured yet
 
-    def record(
-        self,
-        site: Site,
-        module: torch.nn.Module,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        output: Any,
-        direction: Direction,
-    ) -> None:
+    @property
+    def record(self) -> RecordCall:
         """Make the call's frame now and add it to the pending frames."""
 
     overflow: Callable[[], None]  # more than `MAX_PENDING_FRAMES` are pending: check them now
