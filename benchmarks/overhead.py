@@ -59,6 +59,7 @@ import nanwatch
 from nanwatch.adapters import _handles
 from nanwatch.adapters._common import guard_optimizers
 from nanwatch.cli.options import add_config_arguments, config_from_args
+from nanwatch.core import dispatch as _dispatch
 from nanwatch.core.features.sentinel import SentinelFeature
 from nanwatch.core.log import get_logger
 from nanwatch.core.stats import cache as caching
@@ -349,6 +350,7 @@ class HookStash:
         # the hooks, so that no other variant, `none` included, runs through it.
         self._classes = {type(module) for module in model.modules()}
         self._on_classes: dict[tuple[type, str], Any] = {}
+        self._holds: dict[type, int] = {}  # the tool's holds on the shortcut (core/dispatch.py), while taken off
 
     def _hook_dicts(self) -> Iterator[tuple[object, str, dict[int, Any]]]:
         for owner in self._owners:
@@ -375,12 +377,21 @@ class HookStash:
         for (kind, name), put in self._on_classes.items():
             if kind.__dict__.get(name) is put:
                 delattr(kind, name)
+        # The tool's holds on the shortcut go aside too: left counted, they would keep the shortcut on the classes
+        # after another tool's hooks put it there and took them off, and the variants after it (`none` among them)
+        # would run through it.
+        for kind in {kind for kind, _ in self._on_classes}:
+            self._holds[kind] = self._holds.get(kind, 0) + _dispatch._CLASSES.pop(kind, 0)
 
     def put_back(self) -> None:
         for hooks, key, hook in self._hooks:
             hooks[key] = hook
         for (kind, name), put in self._on_classes.items():
             setattr(kind, name, put)
+        for kind, held in self._holds.items():
+            if held:
+                _dispatch._CLASSES[kind] = _dispatch._CLASSES.get(kind, 0) + held
+        self._holds.clear()
 
 
 class Variant:
