@@ -272,7 +272,9 @@ def in_processes(pairs: int, steps: int, warmup: int, threads: int) -> None:
         order = [NoHooks.name, Watch.name] if pair % 2 == 0 else [Watch.name, NoHooks.name]
         for variant in order:
             command = [sys.executable, __file__, "--solo", variant, "--rounds", str(steps), "--warmup", str(warmup)]
-            child = subprocess.run([*command, "--threads", str(threads)], capture_output=True, text=True, check=True)
+            child = subprocess.run([*command, "--threads", str(threads)], capture_output=True, text=True)
+            if child.returncode != 0:  # what the child said, not only that it failed
+                raise RuntimeError(f"the {variant!r} process failed ({child.returncode}):\n{child.stderr}")
             medians[variant].append(statistics.median(json.loads(child.stdout.splitlines()[-1])))
         none, watch = medians[NoHooks.name][-1], medians[Watch.name][-1]
         per_call = (watch - none) / CALLS * 1e6
@@ -305,10 +307,10 @@ def main() -> None:
         help=f"time only these variants, `none` always among them (one of: {', '.join(map(repr, names))})",
     )
     args = parser.parse_args()
-    if args.rounds < 1 or args.warmup < 0 or args.processes < 0:
+    if args.rounds < 1 or args.threads < 1 or args.warmup < 0 or args.processes < 0:
         parser.error(
-            f"--rounds must be positive and --warmup, --processes not negative, got {args.rounds}, {args.warmup}, "
-            f"{args.processes}"
+            f"--rounds and --threads must be positive and --warmup, --processes not negative, got {args.rounds}, "
+            f"{args.threads}, {args.warmup}, {args.processes}"
         )
     if args.processes and args.only:
         parser.error("--processes times none and watch only: leave out --only")

@@ -12,7 +12,6 @@ from tests.models import Scale, small_mlp
 from torch import nn
 
 import nanwatch.core.engine.checker
-import nanwatch.core.engine.module_hook
 import nanwatch.core.engine.publisher
 import nanwatch.core.engine.recorder
 import nanwatch.core.features.headroom
@@ -420,9 +419,8 @@ def test_weights_changed_between_train_and_eval_are_remeasured() -> None:
 
 
 def test_pending_frames_stay_bounded_when_batches_never_end(monkeypatch: pytest.MonkeyPatch) -> None:
-    # The bound both the recorder's `append` and the modules' hook (core/engine/module_hook.py) read.
-    for module in (nanwatch.core.engine.recorder, nanwatch.core.engine.module_hook):
-        monkeypatch.setattr(module, "MAX_PENDING_FRAMES", 20)
+    # Read once by the recorder, for its `append` and the modules' hooks (core/engine/module_hook.py) alike.
+    monkeypatch.setattr(nanwatch.core.engine.recorder, "MAX_PENDING_FRAMES", 20)
     model = small_mlp(out_features=2)
     watcher = Watcher(model, WatchConfig(max_frames_to_save=7))
     watcher.attach()

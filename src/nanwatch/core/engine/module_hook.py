@@ -49,6 +49,7 @@ class Recording(Protocol):
     tracing: bool  # the batch is traced: every call is recorded as it returns, and handed to the trace
     show_recomputes: bool  # activation checkpointing's recomputes are recorded (watch_gradients)
     unsettled: list[Any]  # the pending frames as they are: those of deferred calls not measured yet
+    max_pending: int  # past this many pending frames, `overflow` (`MAX_PENDING_FRAMES` unless a test lowers it)
 
     @property
     def record(self) -> RecordCall:
@@ -111,7 +112,7 @@ class ModuleHook:
                 and not recorder.tracing
                 and self.deferral.defer(pending := recorder.unsettled, site, module, args[0], output)
             ):
-                if len(pending) > MAX_PENDING_FRAMES:
+                if len(pending) > recorder.max_pending:
                     recorder.overflow()
             else:
                 recorder.record(site, module, args, kwargs, output, _FORWARD)

@@ -100,6 +100,8 @@ class Recorder:
         self.show_recomputes = show_recomputes
         self._trace = trace
         self.overflow = overflow
+        # The bound on the pending frames, read by `append` and by the modules' hooks alike: one value per recorder.
+        self.max_pending = MAX_PENDING_FRAMES
         self.disable = disable
         # Under torch.compile the hooks' records arrive here as the graph runs (`_take_compiled`).
         self.sink = Sink(self._take_compiled)
@@ -137,7 +139,7 @@ class Recorder:
         pending.append(frame)
         if self.tracing and module is not None:
             self._trace(frame, module, args, output)
-        if len(pending) > MAX_PENDING_FRAMES:
+        if len(pending) > self.max_pending:
             self.overflow()
 
     def is_last(self, frame: Frame) -> bool:
