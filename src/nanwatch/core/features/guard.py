@@ -154,14 +154,19 @@ class _Plans:
         self._dense: list[int] = []  # the gradients the plan reduces, by index
         self._others: list[int] = []  # the others
         self._plan: MagnitudePlan | None = None
+        # Whether a planned gradient was a tensor subclass (FSDP2's DTensor): then each launch reads the local shards
+        # again, since a DTensor reduced as it is runs collectives of its own.
+        self._subclassed = False
 
     def launch(self, params: list[torch.Tensor], grads: list[torch.Tensor]) -> _Groups:
         """The largest magnitude of each gradient (a DTensor's over this rank's shard: no collective)."""
         planned = self._params
         # The same parameters as planned for, compared by identity in C (no Python step, no object per parameter).
-        # A plain parameter's gradient is plain: the planned (dense) ones need no `local_shards` then.
+        # A plain parameter's gradient is plain: the planned (dense) ones need no `local_shards` then; an FSDP2
+        # parameter's gradient is a DTensor at every step, and is read through its local shard at every step.
         same = len(params) == len(planned) and all(map(is_, params, planned))
-        if self._others or not same:
+        given = grads
+        if self._subclassed or self._others or not same:
             grads = local_shards(grads)
         try:
             if not same or self._plan is None:
@@ -169,7 +174,8 @@ class _Plans:
             found = self._plan.launch(grads if not self._others else [grads[i] for i in self._dense])
         except RuntimeError:  # new parameters, or a gradient that changed shape, dtype or kind: a new plan
             self._params = []
-            grads = local_shards(grads)
+            self._subclassed = any(type(grad) is not torch.Tensor for grad in given)
+            grads = local_shards(given)
             # The infinity norm of an empty tensor (a rank's empty shard of a small parameter) is an error.
             self._dense = [i for i, grad in enumerate(grads) if _dense(grad)]
             self._others = sorted(set(range(len(grads))) - set(self._dense))
