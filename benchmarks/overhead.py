@@ -59,7 +59,6 @@ import nanwatch
 from nanwatch.adapters import _handles
 from nanwatch.adapters._common import guard_optimizers
 from nanwatch.cli.options import add_config_arguments, config_from_args
-from nanwatch.core import dispatch as _dispatch
 from nanwatch.core.features.sentinel import SentinelFeature
 from nanwatch.core.log import get_logger
 from nanwatch.core.stats import cache as caching
@@ -329,10 +328,6 @@ def build_model(vocab: int, seq: int, seed: int) -> torch.nn.Module:
     return GPT2LMHeadModel(config)
 
 
-# What a tool may put on a model's classes for as long as it watches (see HookStash).
-_CLASS_HOOKS = ("__call__", "_call_impl")
-
-
 class HookStash:
     """The hooks a tool put on a model, taken off and put back, so several tools can share one model.
 
@@ -345,12 +340,8 @@ class HookStash:
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         self._owners: list[object] = [*model.modules(), *model.parameters(), optimizer]
         self._hooks: list[tuple[dict[int, Any], int, Any]] = []
-        # The model's classes, and what the tool put on any of them (nanwatch's shortcut past torch's hook dispatch,
-        # core/dispatch.py: a `__call__`, a `_call_impl` in nanwatch before 2026-12-05): taken off and put back with
-        # the hooks, so that no other variant, `none` included, runs through it.
+        # The model's classes: a tool that changed one would change every variant's step, `none` included.
         self._classes = {type(module) for module in model.modules()}
-        self._on_classes: dict[tuple[type, str], Any] = {}
-        self._holds: dict[type, int] = {}  # the tool's holds on the shortcut (core/dispatch.py), while taken off
 
     def _hook_dicts(self) -> Iterator[tuple[object, str, dict[int, Any]]]:
         for owner in self._owners:
@@ -360,38 +351,23 @@ class HookStash:
 
     def capture(self, setup: Callable[[], Any]) -> Any:
         before = {(id(owner), name): set(hooks) for owner, name, hooks in self._hook_dicts()}
-        classes_before = {(kind, name): kind.__dict__.get(name) for kind in self._classes for name in _CLASS_HOOKS}
+        classes_before = {kind: dict(vars(kind)) for kind in self._classes}
         result = setup()
         for owner, name, hooks in self._hook_dicts():
             known = before.get((id(owner), name), set())
             self._hooks.extend((hooks, key, hook) for key, hook in hooks.items() if key not in known)
-        for (kind, name), earlier in classes_before.items():
-            now = kind.__dict__.get(name)
-            if earlier is None and now is not None:  # the tool put it there
-                self._on_classes[kind, name] = now
+        changed = [kind.__name__ for kind, attributes in classes_before.items() if dict(vars(kind)) != attributes]
+        if changed:
+            raise RuntimeError(f"a watcher changed the model's classes ({', '.join(changed)}): the figures would lie")
         return result
 
     def take_off(self) -> None:
         for hooks, key, _hook in self._hooks:
             hooks.pop(key, None)
-        for (kind, name), put in self._on_classes.items():
-            if kind.__dict__.get(name) is put:
-                delattr(kind, name)
-        # The tool's holds on the shortcut go aside too: left counted, they would keep the shortcut on the classes
-        # after another tool's hooks put it there and took them off, and the variants after it (`none` among them)
-        # would run through it.
-        for kind in {kind for kind, _ in self._on_classes}:
-            self._holds[kind] = self._holds.get(kind, 0) + _dispatch._CLASSES.pop(kind, 0)
 
     def put_back(self) -> None:
         for hooks, key, hook in self._hooks:
             hooks[key] = hook
-        for (kind, name), put in self._on_classes.items():
-            setattr(kind, name, put)
-        for kind, held in self._holds.items():
-            if held:
-                _dispatch._CLASSES[kind] = _dispatch._CLASSES.get(kind, 0) + held
-        self._holds.clear()
 
 
 class Variant:

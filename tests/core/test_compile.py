@@ -20,7 +20,6 @@ from torch._dynamo.utils import counters
 import nanwatch
 from nanwatch import NanwatchWarning, NonFiniteError
 from nanwatch.core.compiler import with_compiled_code
-from nanwatch.core.dispatch import shortcut_on
 from nanwatch.core.frames import ResolvedFrame, resolve
 
 Order = Callable[[nn.Module, str], tuple[nn.Module, nanwatch.WatchHandle]]
@@ -191,34 +190,30 @@ def test_dynamic_shapes_are_reported_with_their_sizes() -> None:
 
 
 @pytest.mark.slow
-def test_the_dispatch_shortcut_leaves_dynamo_the_graph_it_compiles_without_it() -> None:
-    # torch.compile(model) enters the model through `__call__`, and dynamo compiles the first frame that is not
-    # torch's: the shortcut nanwatch puts on the class (core/dispatch.py) must be run as it is, so the `forward` is
-    # what compiles and the root's hooks run outside the graph, as they do past torch's own `__call__`.
+def test_a_compiled_watched_model_compiles_its_forward_and_nothing_is_set_on_its_class() -> None:
+    # torch.compile(model) enters the model through torch's own `__call__` (nanwatch sets nothing on the class), so
+    # the `forward` is what compiles and the root's hooks run outside the graph.
     x, scale = _batch(0), torch.full((), 0.5)
     model = _net()
+    classes = {kind: dict(vars(kind)) for kind in (Net, Block, nn.Linear)}
     handle = nanwatch.watch(model)
-    shortcut = type(model).__call__.__code__
-    assert shortcut is not nn.Module.__call__.__code__  # the shortcut is on the class
     compiled = torch.compile(model, backend="aot_eager")
     compiled(x, scale=scale)
     handle.step()
-    assert with_compiled_code([shortcut]) == []  # run as it is
-    assert with_compiled_code([Net.forward.__code__]) == [Net.forward.__code__]  # compiled, as without the shortcut
+    assert with_compiled_code([Net.forward.__code__]) == [Net.forward.__code__]
     assert not counters["graph_break"]
+    assert {kind: dict(vars(kind)) for kind in classes} == classes
     handle.close()
-    assert type(model).__call__ is nn.Module.__call__  # taken off the class with the hooks
+    assert {kind: dict(vars(kind)) for kind in classes} == classes
 
 
 @pytest.mark.slow
-def test_a_module_compiled_in_place_runs_its_compiled_code_under_the_shortcut() -> None:
+def test_a_module_compiled_in_place_runs_its_compiled_code_while_watched() -> None:
     # `module.compile()` keeps the module and sets its `_compiled_call_impl`, which torch's `__call__` runs instead of
-    # `_call_impl`: the shortcut on the class (a block, not the root, whose adapter pre-hook sends every call to torch's
-    # path anyway) must step aside for it, or the compiled code would never run.
+    # `_call_impl`: the compiled code runs, and its frames are what eager mode records.
     scale = torch.full((), 0.5)
     model = _net()
     handle = nanwatch.watch(model)
-    assert shortcut_on(model.blocks[0])
     model.blocks[0].compile(backend="aot_eager")
     for index in range(3):
         model(_batch(index), scale=scale)

@@ -22,8 +22,6 @@ from typing import Any, Protocol
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from nanwatch.core.dispatch import Shortcut, shortcut
-
 __all__ = [
     "HookSet",
     "named_unique_modules",
@@ -109,17 +107,15 @@ class HookSet:
 
     def __init__(self) -> None:
         self._handles: list[RemovableHandle | Removable] = []
-        self._shortcuts: list[Shortcut] = []  # one per forward hook added, let go with the hooks
 
     def add_forward(
         self, module: torch.nn.Module, hook: Callable[..., Any], *, with_kwargs: bool = False, prepend: bool = False
     ) -> None:
         """A forward hook on `module`, after its other forward hooks (`prepend=True`: before them); with
-        `with_kwargs=True` it is called with the keyword arguments too (`hook(module, args, kwargs, output)`). While
-        the module has plain forward hooks only, its calls take the shortcut past torch's hook dispatch
-        (core/dispatch.py)."""
+        `with_kwargs=True` it is called with the keyword arguments too (`hook(module, args, kwargs, output)`). Only
+        torch's own hook registration: nothing is set on the module's class, so torch's `Module.__call__` runs every
+        hook, nanwatch's and other tools', as it would without nanwatch."""
         self._handles.append(module.register_forward_hook(hook, with_kwargs=with_kwargs, prepend=prepend))
-        self._shortcuts.append(shortcut(module))
 
     def add_handle(self, handle: RemovableHandle | Removable) -> None:
         self._handles.append(handle)
@@ -127,8 +123,6 @@ class HookSet:
     def remove_all(self) -> None:
         while self._handles:
             self._handles.pop().remove()
-        while self._shortcuts:
-            self._shortcuts.pop().remove()
 
     @contextlib.contextmanager
     def suspended(self) -> Iterator[None]:
