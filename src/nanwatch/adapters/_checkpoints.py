@@ -4,6 +4,12 @@ Where a framework has no event before it writes (Lightning's strategy writes wha
 `save_state` rotates old checkpoints out before its pre-hooks run), the framework object's own method is wrapped, on
 that one instance, for as long as the watcher watches: the wrapping is a handle in `watcher.hooks`, undone with the
 watcher's other hooks when it closes.
+
+Under `checkpoint_guard="quarantine"` a refused checkpoint is written into `nanwatch-quarantine/` (`WriteAside`), a
+folder out of every one the framework scans for a checkpoint to resume from or rotates: beside Accelerate's
+`project_dir/checkpoints/` (whose every entry `load_state()` and `total_limit` take for a checkpoint), beside a
+`ModelCheckpoint`'s `dirpath`, inside the HF Trainer's `output_dir` (it looks at `checkpoint-*` only), and beside the
+plain loop's file.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import torch
 
 from nanwatch.adapters._checks import real_optimizer
 from nanwatch.core.contract import AdapterContract
+from nanwatch.core.events import QUARANTINE_FOLDER, WriteAside
 
 __all__ = ["guard_lightning_saves", "guard_accelerate_saves", "verify_trainer_save", "save_checked"]
 
@@ -33,10 +40,26 @@ class _Wrapped:
             delattr(self._owner, self._name)
 
 
+def _torch_save(build: Callable[[], Any]) -> Callable[[str], None]:
+    """A `WriteAside.write` that `torch.save`s what `build()` returns, creating the quarantine folder first."""
+
+    def write(path: str) -> None:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        torch.save(build(), path)
+
+    return write
+
+
+def _beside(folder: str) -> str:
+    """The quarantine folder next to `folder` (in its parent)."""
+    return os.path.join(os.path.dirname(folder.rstrip("/")), QUARANTINE_FOLDER)
+
+
 def save_checked(watcher: AdapterContract, state: Any, path: str | os.PathLike[str], step: int | None) -> None:
     """The plain loop's `torch.save(state, path)`, after the check."""
     target = os.fspath(path)
-    watcher.verify_checkpoint(state, target, step=step, write_aside=lambda aside: torch.save(state, aside))
+    aside = WriteAside(os.path.join(os.path.dirname(target), QUARANTINE_FOLDER), _torch_save(lambda: state))
+    watcher.verify_checkpoint(state, target, step=step, write_aside=aside)
     torch.save(state, target)
 
 
@@ -49,14 +72,30 @@ def guard_lightning_saves(watcher: AdapterContract, trainer: Any) -> None:
             step = checkpoint.get("global_step", trainer.global_step)
             # The weights and the optimizers' state; not the callbacks' (ModelCheckpoint keeps an inf on purpose).
             state = {key: checkpoint[key] for key in ("state_dict", "optimizer_states") if key in checkpoint}
-            watcher.verify_checkpoint(
-                state, os.fspath(filepath), step=step, write_aside=lambda aside: save(checkpoint, aside)
-            )
+            target = os.fspath(filepath)
+            # The strategy's own save: rank zero writes, through the checkpoint IO (which creates the folder).
+            aside = WriteAside(_lightning_quarantine(trainer, target), lambda there: save(checkpoint, there))
+            watcher.verify_checkpoint(state, target, step=step, write_aside=aside)
             return save(checkpoint, filepath, storage_options=storage_options)
 
         return save_checkpoint
 
     watcher.hooks.add_handle(_Wrapped(trainer.strategy, "save_checkpoint", make))
+
+
+def _lightning_quarantine(trainer: Any, filepath: str) -> str:
+    """Beside a `ModelCheckpoint`'s `dirpath` (its files are the ones it rotates, and `ckpt_path="last"` looks
+    there); beside the file itself for a `trainer.save_checkpoint(path)` elsewhere."""
+    folder = os.path.dirname(filepath)
+    scanned = {str(callback.dirpath).rstrip("/") for callback in _checkpoint_callbacks(trainer)}
+    if folder.rstrip("/") in scanned:
+        return _beside(folder)
+    return os.path.join(folder, QUARANTINE_FOLDER)
+
+
+def _checkpoint_callbacks(trainer: Any) -> list[Any]:
+    callbacks = getattr(trainer, "checkpoint_callbacks", None) or []
+    return [callback for callback in callbacks if getattr(callback, "dirpath", None) is not None]
 
 
 def guard_accelerate_saves(watcher: AdapterContract, accelerator: Any) -> None:
@@ -68,12 +107,9 @@ def guard_accelerate_saves(watcher: AdapterContract, accelerator: Any) -> None:
             models = list(getattr(accelerator, "_models", []))
             optimizers = [real_optimizer(o) for o in getattr(accelerator, "_optimizers", [])]
             state = {"models": models, "optimizers": optimizers}
-            path = output_dir if output_dir is not None else _automatic_dir(accelerator)
-
-            def write_aside(aside: str) -> None:
-                torch.save({key: [part.state_dict() for part in parts] for key, parts in state.items()}, aside)
-
-            watcher.verify_checkpoint(state, os.fspath(path), write_aside=write_aside)
+            path, quarantine = _accelerate_paths(accelerator, output_dir)
+            dicts = _torch_save(lambda: {key: [part.state_dict() for part in parts] for key, parts in state.items()})
+            watcher.verify_checkpoint(state, path, write_aside=WriteAside(quarantine, dicts))
             return save_state(output_dir, *args, **kwargs)
 
         return checked_save_state
@@ -81,11 +117,18 @@ def guard_accelerate_saves(watcher: AdapterContract, accelerator: Any) -> None:
     watcher.hooks.add_handle(_Wrapped(accelerator, "save_state", make))
 
 
-def _automatic_dir(accelerator: Any) -> str:
-    """Where `save_state()` without a directory writes (Accelerate's automatic checkpoint naming)."""
+def _accelerate_paths(accelerator: Any, output_dir: str | os.PathLike[str] | None) -> tuple[str, str]:
+    """Where `save_state(output_dir)` writes, and where a refused checkpoint goes instead. Under automatic checkpoint
+    naming (which ignores `output_dir`): `project_dir/checkpoints/checkpoint_<iteration>`, and
+    `project_dir/nanwatch-quarantine`, since `load_state()` and `total_limit` take every entry of `checkpoints/` for a
+    checkpoint. Otherwise `output_dir`, and the quarantine beside it."""
     config = accelerator.project_configuration
-    iteration = getattr(config, "iteration", getattr(accelerator, "save_iteration", 0))
-    return os.path.join(accelerator.project_dir or ".", "checkpoints", f"checkpoint_{iteration}")
+    if getattr(config, "automatic_checkpoint_naming", False) or output_dir is None:
+        iteration = getattr(config, "iteration", getattr(accelerator, "save_iteration", 0))
+        project = accelerator.project_dir or "."
+        return os.path.join(project, "checkpoints", f"checkpoint_{iteration}"), os.path.join(project, QUARANTINE_FOLDER)
+    path = os.fspath(output_dir)
+    return path, _beside(path)
 
 
 def verify_trainer_save(watcher: AdapterContract, output_dir: str, global_step: int, kwargs: dict[str, Any]) -> None:
@@ -96,9 +139,8 @@ def verify_trainer_save(watcher: AdapterContract, output_dir: str, global_step: 
     if optimizer is not None:
         state["optimizer"] = real_optimizer(optimizer)
 
-    def write_aside(aside: str) -> None:
-        dicts = {name: value.state_dict() for name, value in state.items()}
-        torch.save(dicts, aside)
-
+    dicts = _torch_save(lambda: {name: value.state_dict() for name, value in state.items()})
     path = os.path.join(output_dir, f"checkpoint-{global_step}")
-    watcher.verify_checkpoint(state, path, step=global_step, write_aside=write_aside)
+    # In output_dir, out of the Trainer's way: it resumes from and rotates `checkpoint-<N>` folders only.
+    quarantine = os.path.join(output_dir, QUARANTINE_FOLDER)
+    watcher.verify_checkpoint(state, path, step=global_step, write_aside=WriteAside(quarantine, dicts))

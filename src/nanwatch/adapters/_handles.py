@@ -30,11 +30,12 @@ class UserHandle:
     def save_checkpoint(self, state: Any, path: str | os.PathLike[str], *, step: int | None = None) -> None:
         """`torch.save(state, path)`, once every weight and optimizer state in `state` is checked finite (one fused
         check; `checkpoint_guard`). Pass modules and optimizers or their state dicts: `{"model": model.state_dict(),
-        "optimizer": optimizer.state_dict()}`. A finite checkpoint is the one later reports name as where to resume.
+        "optimizer": optimizer.state_dict()}`. A buffer of the model that held inf/nan as watching began (an
+        attention mask) may hold the same. A finite checkpoint is the one later reports name as where to resume.
 
         Raises:
             NonFiniteCheckpoint: `state` holds inf/nan; nothing was written to `path` (with `checkpoint_guard=
-                "quarantine"`, it was written to `<path>.nonfinite`).
+                "quarantine"`, it was written to `<folder of path>/nanwatch-quarantine/<file>.nonfinite`).
         """
         if self.watcher is None:
             raise RuntimeError("nanwatch: save_checkpoint() needs a watcher (attach() first)")

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
 
-from nanwatch.core.events import KEEP, EngineState, Kept, OptimizerStage, Phase
+from nanwatch.core.events import KEEP, EngineState, Kept, OptimizerStage, Phase, WriteAside
 
 if TYPE_CHECKING:
     import torch
@@ -128,12 +128,13 @@ class AdapterContract(EngineState, Protocol):
         path: str,
         *,
         step: int | None = None,
-        write_aside: Callable[[str], None] | None = None,
+        write_aside: WriteAside | None = None,
     ) -> None:
         """Before a checkpoint is written to `path`: check that every floating-point tensor of `state` (dicts,
-        lists, modules, optimizers) is finite (`checkpoint_guard`); a finite one becomes the last good checkpoint,
-        named in every later report. `step`: its optimizer step (the watcher's count when None). `write_aside(path)`:
-        writes it under another path, for `checkpoint_guard="quarantine"`.
+        lists, modules, optimizers) is finite (`checkpoint_guard`), but for the inf/nan a buffer of the watched model
+        held from the start (an additive attention mask); a finite one becomes the last good checkpoint, named in
+        every later report. `step`: its optimizer step (the watcher's count when None). `write_aside`: how to write it
+        into a folder of its own, out of the framework's way, for `checkpoint_guard="quarantine"`.
 
         Raises:
             NonFiniteCheckpoint: it holds inf/nan (the framework must not write it).

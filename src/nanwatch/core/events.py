@@ -29,6 +29,7 @@ from __future__ import annotations
 import enum
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeAlias
 
 if TYPE_CHECKING:
@@ -41,7 +42,17 @@ if TYPE_CHECKING:
     from nanwatch.core.report import Report, ReportSection
     from nanwatch.core.stats.measure import Measurement
 
-__all__ = ["KEEP", "EngineContext", "EngineState", "Feature", "Kept", "OptimizerStage", "Phase"]
+__all__ = [
+    "KEEP",
+    "EngineContext",
+    "EngineState",
+    "Feature",
+    "Kept",
+    "OptimizerStage",
+    "Phase",
+    "QUARANTINE_FOLDER",
+    "WriteAside",
+]
 
 Phase = Literal["train", "eval"]
 # "guarded": an adapter will report "before" for each step of this optimizer; "before": the optimizer is about to
@@ -57,6 +68,20 @@ class _Keep(enum.Enum):
 
 KEEP = _Keep.KEEP  # a counter argument left as it is
 Kept: TypeAlias = "int | None | _Keep"  # a counter's new value, or KEEP
+
+
+# The folder a refused checkpoint is written aside into; each adapter puts it beside the framework's own folders.
+QUARANTINE_FOLDER = "nanwatch-quarantine"
+
+
+@dataclass(frozen=True)
+class WriteAside:
+    """How an adapter writes a refused checkpoint aside (`checkpoint_guard="quarantine"`): `write(path)` writes it to
+    `path` (creating its folder), which the guard puts in `folder`, a folder the framework neither scans for a
+    checkpoint to resume from nor rotates."""
+
+    folder: str
+    write: Callable[[str], None]
 
 
 class EngineState(Protocol):
@@ -252,10 +277,10 @@ class Feature:
         """An adapter (or the user) handed over the micro-batch's loss (`watch_loss`), while it is recorded."""
 
     def on_checkpoint(
-        self, ctx: EngineContext, state: Any, path: str, step: int | None, write_aside: Callable[[str], None] | None
+        self, ctx: EngineContext, state: Any, path: str, step: int | None, write_aside: WriteAside | None
     ) -> None:
         """`state` (what a checkpoint holds: dicts, modules, optimizers, tensors) is about to be written to `path`;
-        raising stops the write. `write_aside(path)` writes it elsewhere (None where the adapter cannot)."""
+        raising stops the write. `write_aside` writes it elsewhere (None where the adapter cannot)."""
 
     def readouts(self) -> Mapping[Readout[Any], Callable[[], Any]]:
         """What this feature offers adapters and users (core/readouts.py), read when asked."""

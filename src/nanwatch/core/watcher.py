@@ -38,7 +38,7 @@ from nanwatch.core.engine.holding import Held
 from nanwatch.core.engine.notices import nothing_recorded
 from nanwatch.core.engine.readings import Readings
 from nanwatch.core.engine.recorder import hook_code, own_code
-from nanwatch.core.events import KEEP, Feature, Kept, OptimizerStage, Phase
+from nanwatch.core.events import KEEP, Feature, Kept, OptimizerStage, Phase, WriteAside
 from nanwatch.core.features import features_for
 from nanwatch.core.formats.files import prepare_report_dir
 from nanwatch.core.frames import ResolvedFrame, resolve
@@ -296,7 +296,7 @@ class Watcher(Readings):
         path: str,
         *,
         step: int | None = None,
-        write_aside: Callable[[str], None] | None = None,
+        write_aside: WriteAside | None = None,
     ) -> None:
         """`AdapterContract.verify_checkpoint` (core/contract.py)."""
         step = self._counters.optimizer_step if step is None else step

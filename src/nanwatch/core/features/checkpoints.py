@@ -5,22 +5,34 @@ it, the healthy ones rotate out, and an automatic resume loads the nan again. Ea
 written (`Watcher.verify_checkpoint`) before the framework writes it: one fused finiteness check of every floating-point
 tensor in it (core/stats/finite.py), small next to the write it guards. A finite checkpoint becomes the run's "last good
 one", which every later report names as where to resume; a non-finite one raises `NonFiniteCheckpoint` before anything
-is written (and before a framework rotates older checkpoints out), written aside first under `quarantine`.
+is written (and before a framework rotates older checkpoints out).
+
+What is poison: inf/nan in a weight or an optimizer's state, or in a buffer that did not hold it from the start. A
+buffer that held inf/nan when watching began (an additive attention mask) may hold the same again, in the same places
+(buffer_masks.py); a checkpoint that holds it is written.
+
+Under `quarantine` the refused checkpoint is first written aside, as `<name>.nonfinite` in a folder that the adapter
+names (`WriteAside.folder`: `nanwatch-quarantine`, out of every folder the framework scans for a checkpoint to resume
+from or rotates), and the error says where.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from nanwatch.core.events import EngineContext, Feature
+import torch
+
+from nanwatch.core.events import EngineContext, Feature, WriteAside
+from nanwatch.core.features.buffer_masks import BufferMasks
 from nanwatch.core.frames import ResolvedFrame
 from nanwatch.core.readouts import LAST_GOOD_CHECKPOINT, Readout
 from nanwatch.core.report import Report, ReportSection
 from nanwatch.core.stats.finite import MAX_NAMED, non_finite_tensors
 from nanwatch.errors import NonFiniteCheckpoint
 
-__all__ = ["CheckpointGuard", "QUARANTINE_SUFFIX"]
+__all__ = ["CheckpointGuard", "QUARANTINE_SUFFIX", "quarantine_path"]
 
 QUARANTINE_SUFFIX = ".nonfinite"
 
@@ -30,7 +42,12 @@ class CheckpointGuard(Feature):
 
     def __init__(self, policy: str) -> None:
         self._policy = policy
+        self._masks = BufferMasks()
         self.last_good: tuple[str, int | None] | None = None
+
+    def attach(self, ctx: EngineContext, modules: Sequence[tuple[str, torch.nn.Module]]) -> None:
+        if self._policy != "off":
+            self._masks.learn(ctx.model)  # the buffers as watching begins: which hold inf/nan by design
 
     def on_checkpoint(
         self,
@@ -38,19 +55,21 @@ class CheckpointGuard(Feature):
         state: Any,
         path: str,
         step: int | None,
-        write_aside: Callable[[str], None] | None,
+        write_aside: WriteAside | None,
     ) -> None:
         if self._policy == "off":
             return
-        bad, checked = non_finite_tensors(state)
+        self._masks.learn(ctx.model)  # only buffers registered since watching began (a lazily built mask)
+        bad, checked = non_finite_tensors(state, self._masks.known(ctx.model))
         if not bad:
             self.last_good = (path, step)
             return
         aside, failed = None, ""
         if self._policy == "quarantine" and write_aside is not None:
+            target = quarantine_path(path, write_aside.folder)
             try:
-                write_aside(f"{path.rstrip('/')}{QUARANTINE_SUFFIX}")
-                aside = f"{path.rstrip('/')}{QUARANTINE_SUFFIX}"
+                write_aside.write(target)
+                aside = target
             except Exception as error:  # a full disk: the checkpoint is still refused, never let through
                 failed = f" (writing it aside failed: {error!r})"
         shown = ", ".join(f"{where} {word}" for where, word in bad[:MAX_NAMED])
@@ -72,6 +91,11 @@ class CheckpointGuard(Feature):
 
     def readouts(self) -> Mapping[Readout[Any], Callable[[], Any]]:
         return {LAST_GOOD_CHECKPOINT: lambda: self.last_good}
+
+
+def quarantine_path(path: str, folder: str) -> str:
+    """Where a refused checkpoint to be written to `path` goes instead: `<folder>/<its name>.nonfinite`."""
+    return os.path.join(folder, f"{os.path.basename(path.rstrip('/'))}{QUARANTINE_SUFFIX}")
 
 
 def _resume_from(last_good: tuple[str, int | None] | None) -> str:

@@ -6,22 +6,44 @@ one `_foreach_norm` per (device, dtype), accumulated in float32 (inf or nan as s
 2-norm runs about thirty times faster than the infinity norm), and every group's verdict is read with one `.item()`.
 Only a checkpoint that fails is walked again, tensor by tensor, with the exact test (`abs().amax()`), to name what is
 not finite; a norm that overflowed from huge finite values (above 1e19) passes there.
+
+A tensor the caller knows to hold inf/nan by design (`known`: a buffer such as an additive attention mask) is left
+out of the norms: its `non_finite_kinds` are compared with the ones it is expected to have (a position that is not
+finite must hold the same kind of value as before: -inf stays -inf), and that verdict joins the same host read.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, TypeAlias
 
 import torch
 
 from nanwatch.core.stats.sharded import local_shard
 
-__all__ = ["MAX_NAMED", "non_finite_tensors", "floating_tensors"]
+__all__ = ["MAX_NAMED", "KnownKinds", "non_finite_kinds", "non_finite_tensors", "floating_tensors"]
 
 # Tensors named in a message; the others are counted.
 MAX_NAMED = 5
+
+# For a tensor of a checkpoint (where it is, the tensor): the `non_finite_kinds` it may hold, or None for a tensor
+# that must be finite throughout.
+KnownKinds: TypeAlias = Callable[[str, torch.Tensor], "torch.Tensor | None"]
+
+_NAN_KIND = 2
+
+
+def non_finite_kinds(tensor: torch.Tensor) -> torch.Tensor:
+    """One int8 per value of `tensor`: 0 finite, 1 +inf, -1 -inf, 2 nan (three elementwise kernels, no host read)."""
+    codes = torch.nan_to_num(tensor, nan=float(_NAN_KIND), posinf=1.0, neginf=-1.0)
+    return torch.where(torch.isfinite(tensor), 0, codes).to(torch.int8)
+
+
+def _new_non_finite(tensor: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
+    """Where `tensor` holds inf/nan of another kind than `expected` says (a value become finite is no poison)."""
+    kinds = non_finite_kinds(tensor)
+    return (kinds != 0) & (kinds != expected)
 
 
 def floating_tensors(state: Any, where: str = "") -> Iterator[tuple[str, torch.Tensor]]:
@@ -42,16 +64,19 @@ def floating_tensors(state: Any, where: str = "") -> Iterator[tuple[str, torch.T
             yield from floating_tensors(value, f"{where}[{index}]")
 
 
-def non_finite_tensors(state: Any) -> tuple[list[tuple[str, str]], int]:
+def non_finite_tensors(state: Any, known: KnownKinds | None = None) -> tuple[list[tuple[str, str]], int]:
     """The tensors of `state` that hold inf or nan, as `(where, "inf" | "nan")` (empty when all are finite), and how
-    many floating-point tensors were checked."""
-    found = list(floating_tensors(state))
+    many floating-point tensors were checked. `known` says which tensors may hold inf/nan, and where."""
+    found = [(where, tensor, known(where, tensor) if known else None) for where, tensor in floating_tensors(state)]
     if not found:
         return [], 0
     by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    for _, tensor in found:
-        by_kind.setdefault((tensor.device, tensor.dtype), []).append(tensor)
     flags: dict[torch.device, list[torch.Tensor]] = {}
+    for _, tensor, expected in found:
+        if expected is None:
+            by_kind.setdefault((tensor.device, tensor.dtype), []).append(tensor)
+        else:
+            flags.setdefault(tensor.device, []).append(~_new_non_finite(tensor, expected).any())
     for (device, _), tensors in by_kind.items():
         norms = torch._foreach_norm(tensors, 2.0, dtype=torch.float32)
         flags.setdefault(device, []).append(torch.isfinite(torch.stack(norms)).all())
@@ -59,8 +84,22 @@ def non_finite_tensors(state: Any) -> tuple[list[tuple[str, str]], int]:
     if all(bool(torch.stack(device_flags).all()) for device_flags in flags.values()):
         return [], len(found)
     bad = []
-    for where, tensor in found:  # the slow path: a failing checkpoint, named tensor by tensor
-        value = float(tensor.abs().amax())
-        if not math.isfinite(value):
-            bad.append((where, "nan" if math.isnan(value) else "inf"))
+    for where, tensor, expected in found:  # the slow path: a failing checkpoint, named tensor by tensor
+        word = _verdict(tensor) if expected is None else _verdict_against(tensor, expected)
+        if word is not None:
+            bad.append((where, word))
     return bad, len(found)
+
+
+def _verdict(tensor: torch.Tensor) -> str | None:
+    value = float(tensor.abs().amax())
+    if math.isfinite(value):
+        return None
+    return "nan" if math.isnan(value) else "inf"
+
+
+def _verdict_against(tensor: torch.Tensor, expected: torch.Tensor) -> str | None:
+    new = non_finite_kinds(tensor)[_new_non_finite(tensor, expected)]
+    if new.numel() == 0:
+        return None
+    return "nan" if bool((new == _NAN_KIND).any()) else "inf"
