@@ -132,8 +132,8 @@ class _Mutates(nn.Module):
 
 def test_an_in_place_change_that_starts_later_stops_the_deferral_from_then_on() -> None:
     """Deferred in batch 1; in batch 2 the caller starts scaling the Linear's output in place after its hook: that
-    batch's line is what the check found (the deferred reference shows the scaled values), and from batch 3 on the
-    Linear is recorded as it returns again, exact."""
+    batch's line says so and shows no numbers (what the check would find is not what the call returned), and from
+    batch 3 on the Linear is recorded as it returns again, exact."""
     torch.manual_seed(0)
     model = _Mutates()
     watcher = Watcher(model, WatchConfig(max_frames_to_save=50))
@@ -144,11 +144,15 @@ def test_an_in_place_change_that_starts_later_stops_the_deferral_from_then_on() 
         x = torch.randn(3, 4)
         returned = nn.functional.linear(x, model.inner.weight, model.inner.bias).detach()  # no watched call
         model(x)
-        seen[batch] = (_line(_frames_of(watcher, batch)[0], "output"), _range(returned))
+        output = next(e for e in _frames_of(watcher, batch)[0].entries if e.label == "output")
+        seen[batch] = ((output.abs_min, output.abs_max), _range(returned), output.note)
         watcher.end_batch()
     assert seen[1][0] == seen[1][1], "deferred, exact"
-    assert seen[2][0][1] == pytest.approx(1000 * seen[2][1][1], rel=1e-6), "changed after the call: seen at the check"
+    assert seen[1][2] is None
+    assert seen[2][0] == (None, None), "changed after the call: no numbers the call did not return"
+    assert seen[2][2] == "changed in place after the call: not measured"
     assert seen[3][0] == seen[3][1], "recorded as it returns from then on: exact again"
+    assert seen[3][2] is None
     watcher.close()
 
 

@@ -18,10 +18,10 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from tests.twins.twin import StepCounter, TwinEnd, seed_everything, twin_end
 from torch import nn
 
 import nanwatch
-from tests.twins.twin import StepCounter, TwinEnd, seed_everything, twin_end
 
 VOCAB, WIDTH, LENGTH = 32, 16, 6
 MICRO_BATCHES, ACCUMULATION, SAVE_EVERY = 10, 2, 2

@@ -20,7 +20,8 @@ class TwinEnd:
 
     def differences(self, other: TwinEnd) -> list[str]:
         """What differs between two ends, by name (empty when they are bit-identical)."""
-        found = [name for name in self.tensors.keys() | other.tensors.keys() if self.tensors.get(name) != other.tensors.get(name)]
+        names = self.tensors.keys() | other.tensors.keys()
+        found = [name for name in names if self.tensors.get(name) != other.tensors.get(name)]
         for part in ("torch_rng", "python_rng", "numpy_rng", "steps"):
             if getattr(self, part) != getattr(other, part):
                 found.append(part)

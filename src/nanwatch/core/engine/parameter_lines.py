@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from operator import is_
 
 import torch
 
@@ -22,7 +23,7 @@ class ParameterLines:
     fingerprints, not a lookup per parameter, and the calls of a batch share the line objects (fewer objects for the
     garbage collector to walk)."""
 
-    __slots__ = ("batch", "entries", "slots", "named", "remade")
+    __slots__ = ("batch", "entries", "slots", "named", "remade", "tensors")
 
     def __init__(self) -> None:
         self.batch: TrackedBatch | None = None  # the batch whose measurements `entries` hold
@@ -33,6 +34,9 @@ class ParameterLines:
         self.named: list[tuple[str, int]] = []
         # A parameter was found changed or replaced since its batch measurement (lines made again, `_make`).
         self.remade = False
+        # The module's parameter dict's values when the lines were made (None included), compared by identity at
+        # every deferred call (`holds`).
+        self.tensors: tuple[torch.Tensor | None, ...] = ()
 
     def lines(self, params: Mapping[str, torch.Tensor | None], cache: StatsCache) -> list[Entry]:
         batch = cache.tracked_batch() if self.slots is not None else None
@@ -60,6 +64,12 @@ class ParameterLines:
                 return False
         return True
 
+    def holds(self, params: Mapping[str, torch.Tensor | None]) -> bool:
+        """The module's parameter dict holds the very tensors the lines were made from (compared by identity, in C):
+        not others swapped in for one call (`torch.func.functional_call`)."""
+        tensors = self.tensors
+        return len(params) == len(tensors) and all(map(is_, params.values(), tensors))
+
     @property
     def stable(self) -> bool:
         """Every parameter is tracked, and none was found changed since its batch measurement: what deferring a call
@@ -84,5 +94,6 @@ class ParameterLines:
                 slots.append((param, index))
                 named.append((name, index))
         self.slots, self.named = (slots if tracked else None), named
+        self.tensors = tuple(params.values())
         self.batch = None  # these lines may hold a changed parameter's own measurement, not the batch's
         return entries
