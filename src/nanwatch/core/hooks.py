@@ -10,17 +10,28 @@ Three things of the training stacks people use shape where hooks go and when the
   a hook that measures them goes before that one (`prepend=True`), while they are whole and plain tensors;
 - activation checkpointing (`torch.utils.checkpoint`, reentrant or not) runs forwards again during backward to
   recompute what it did not keep: `recomputing()` says a forward hook fires in one of those.
+
+torch keeps a module's hooks in dicts of the module, which `torch.save(model)`, `pickle` and `copy.deepcopy` take
+along. nanwatch's hooks do not go with them: every hook a `HookSet` holds is one of ours (`_Own`, or the recorder's
+`ModuleHook`, which does the same itself), which a pickle stores as a no-op of the standard library (a file that loads
+without nanwatch, and a model that records nothing; watching it again clears those no-ops) and a deep copy leaves out
+altogether (an EMA copy made while watching is not watched, and holds nothing of nanwatch).
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
+import functools
 import sys
+import types
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import torch
 from torch.utils.hooks import RemovableHandle
+
+from nanwatch.core.engine.module_hook import ModuleHook
 
 __all__ = [
     "HookSet",
@@ -32,6 +43,10 @@ __all__ = [
     "reshards_after_forward",
     "module_class_name",
     "recomputing",
+    "copied_away",
+    "pickled_away",
+    "pickled_module_hook",
+    "is_pickled_away",
 ]
 
 # The attribute under which a wrapper module keeps the module it wraps (FSDP1, torch.distributed's checkpoint_wrapper).
@@ -102,11 +117,142 @@ def recomputing() -> bool:
     return not torch.compiler.is_compiling() and _graph_task_id() != -1
 
 
+# ------------------------------------------------------------------------------ pickles and deep copies
+
+# The audit event a pickled hook of ours raises: `sys.audit` does nothing while no audit hook listens (and the event
+# says what it is to one that does). `functools.partial(sys.audit, ...)` is a no-op that takes any arguments, returns
+# None, and loads with nothing but the standard library.
+_UNWATCHED_EVENT = "nanwatch.unwatched"
+
+
+def pickled_away() -> tuple[Any, ...]:
+    """What a hook of ours pickles as (its `__reduce__`): the standard library's no-op, not the hook."""
+    return (functools.partial, (sys.audit, _UNWATCHED_EVENT))
+
+
+def pickled_module_hook() -> tuple[Any, ...]:
+    """What a `ModuleHook` pickles as: an object whose `forward_hook` (what the pickle of the bound method in the hook
+    dict reads back) is the no-op of `pickled_away`."""
+    return (types.SimpleNamespace, (), {"forward_hook": _NoOp()})
+
+
+def is_pickled_away(hook: Any) -> bool:
+    """True for what a hook of ours became in a pickle (`pickled_away`), once loaded."""
+    return (
+        type(hook) is functools.partial
+        and hook.func is sys.audit
+        and hook.args == (_UNWATCHED_EVENT,)
+        and not hook.keywords
+    )
+
+
+def _stand_in() -> Any:
+    """What stands, in a deep copy's hook dict, for one of our hooks until the copy is over and it is taken out:
+    a no-op (also as `ModuleHook.forward_hook` bound to it: its recorder is never recording), pickled as one."""
+    return types.SimpleNamespace(recorder=types.SimpleNamespace(recording=False), forward_hook=_NoOp())
+
+
+class _NoOp(functools.partial):  # type: ignore[type-arg]
+    """A no-op hook (any arguments, returns None) that pickles as `pickled_away`."""
+
+    def __new__(cls) -> _NoOp:
+        return super().__new__(cls, sys.audit, _UNWATCHED_EVENT)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return pickled_away()
+
+    def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
+        return pickled_away()
+
+
+# Where each hook of ours sits: the handle of its registration, under `id()` of the hook (of a `ModuleHook` for its
+# bound method). Read when a deep copy copies the hook; an entry leaves with its handle (`HookSet.remove_all`).
+_PLACES: dict[int, RemovableHandle] = {}
+
+
+def _placed(hook: Any, handle: RemovableHandle) -> bool:
+    found = handle.hooks_dict_ref()
+    value = None if found is None else found.get(handle.id)
+    return value is hook or getattr(value, "__self__", None) is hook
+
+
+class _TakeOut:
+    """Kept in a deep copy's memo: when the copy is over (the memo let go, at the end of `copy.deepcopy`), takes the
+    stand-ins of our hooks out of the copied hook dicts, as `RemovableHandle.remove()` takes a hook out."""
+
+    def __init__(self) -> None:
+        self.places: list[tuple[dict[Any, Any], list[dict[Any, Any]], Any, object]] = []
+
+    def __del__(self) -> None:
+        for hooks, extra, key, stand_in in self.places:
+            value = hooks.get(key)
+            if value is stand_in or getattr(value, "__self__", None) is stand_in:
+                del hooks[key]
+                for found in extra:
+                    found.pop(key, None)
+
+
+_TAKE_OUT = id(_TakeOut)  # its key in a memo: no object a deep copy copies has this id while the class lives
+
+
+def copied_away(hook: Any, memo: dict[int, Any]) -> Any:
+    """What a hook of ours is in a deep copy (its `__deepcopy__`): a stand-in that records nothing, taken out of the
+    copy's hook dicts (and their `with_kwargs`/`always_call` marks) as soon as the deep copy is over."""
+    stand_in = _stand_in()
+    handle = _PLACES.get(id(hook))
+    if handle is None or not _placed(hook, handle):
+        return stand_in if isinstance(hook, ModuleHook) else stand_in.forward_hook
+    hooks = handle.hooks_dict_ref()
+    copied = memo.get(id(hooks))  # the copy of the dict being filled (a dict is in the memo before its items)
+    value = stand_in if isinstance(hook, ModuleHook) else stand_in.forward_hook
+    if copied is not None:
+        # The marks dicts: copied now (the module's own copy takes these same copies from the memo).
+        extra = [
+            copy.deepcopy(found, memo) for ref in getattr(handle, "extra_dict_ref", ()) if (found := ref()) is not None
+        ]
+        take_out = memo.get(_TAKE_OUT)
+        if take_out is None:
+            take_out = memo[_TAKE_OUT] = _TakeOut()
+        take_out.places.append((copied, extra, handle.id, value))
+    return value
+
+
+class _Own(functools.partial):  # type: ignore[type-arg]
+    """One of nanwatch's hooks, as the hook dict holds it: called as the hook itself (by C code, no frame of its own),
+    pickled as a no-op (`pickled_away`) and left out of deep copies (`copied_away`)."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return pickled_away()
+
+    def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
+        return pickled_away()
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        return copied_away(self, memo)
+
+
+def _drop_pickled_away(module: torch.nn.Module) -> None:
+    """Take out of `module` the no-ops our hooks became in a pickle it was loaded from."""
+    for name in ("_forward_hooks", "_forward_pre_hooks"):
+        hooks = getattr(module, name, None)
+        if not hooks:
+            continue
+        for key in [key for key, hook in hooks.items() if is_pickled_away(hook)]:
+            del hooks[key]
+            for marks in (
+                "_forward_hooks_with_kwargs",
+                "_forward_hooks_always_called",
+                "_forward_pre_hooks_with_kwargs",
+            ):
+                getattr(module, marks, {}).pop(key, None)
+
+
 class HookSet:
     """Owns the hook handles it registers, so all of them can be removed (transformers throws them away)."""
 
     def __init__(self) -> None:
         self._handles: list[RemovableHandle | Removable] = []
+        self._places: list[tuple[int, RemovableHandle]] = []  # this set's entries of `_PLACES`
 
     def add_forward(
         self, module: torch.nn.Module, hook: Callable[..., Any], *, with_kwargs: bool = False, prepend: bool = False
@@ -114,15 +260,42 @@ class HookSet:
         """A forward hook on `module`, after its other forward hooks (`prepend=True`: before them); with
         `with_kwargs=True` it is called with the keyword arguments too (`hook(module, args, kwargs, output)`). Only
         torch's own hook registration: nothing is set on the module's class, so torch's `Module.__call__` runs every
-        hook, nanwatch's and other tools', as it would without nanwatch."""
-        self._handles.append(module.register_forward_hook(hook, with_kwargs=with_kwargs, prepend=prepend))
+        hook, nanwatch's and other tools', as it would without nanwatch. The hook is left out of the module's pickles
+        and deep copies (see this file's docstring)."""
+        _drop_pickled_away(module)
+        owner = getattr(hook, "__self__", None)
+        if not isinstance(owner, ModuleHook):  # a ModuleHook leaves pickles and deep copies by itself
+            hook = _Own(hook)
+        handle = module.register_forward_hook(hook, with_kwargs=with_kwargs, prepend=prepend)
+        self._handles.append(handle)
+        self._place(owner if isinstance(owner, ModuleHook) else hook, handle)
 
     def add_handle(self, handle: RemovableHandle | Removable) -> None:
+        """Hold `handle` (removed by `remove_all`). A torch hook's handle (a module's, an optimizer's) has its hook
+        made one of ours in place, under the same key: left out of pickles and deep copies."""
+        if isinstance(handle, RemovableHandle):
+            hooks = handle.hooks_dict_ref()
+            hook = None if hooks is None else hooks.get(handle.id)
+            owner = getattr(hook, "__self__", None)
+            if isinstance(owner, ModuleHook):
+                self._place(owner, handle)
+            elif hook is not None and hooks is not None:
+                if not isinstance(hook, _Own):
+                    hook = hooks[handle.id] = _Own(hook)
+                self._place(hook, handle)
         self._handles.append(handle)
+
+    def _place(self, hook: object, handle: RemovableHandle) -> None:
+        _PLACES[id(hook)] = handle
+        self._places.append((id(hook), handle))
 
     def remove_all(self) -> None:
         while self._handles:
             self._handles.pop().remove()
+        while self._places:
+            key, handle = self._places.pop()
+            if _PLACES.get(key) is handle:
+                del _PLACES[key]
 
     @contextlib.contextmanager
     def suspended(self) -> Iterator[None]:

@@ -76,17 +76,21 @@ class ModuleHook:
         self.recorder, self.deferral, self.site = recorder, deferral, site
         self.prefix, self.kernels = prefix, kernels
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> ModuleHook:
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
         # `copy.deepcopy(model)` (an EMA copy) copies the modules' hook dicts, and a bound method's object with them:
-        # the copy shares this hook, as it would share a plain function hook, rather than copying the recorder and
-        # everything it holds.
-        return self
+        # the copy is not watched, and gets no hook of ours (core/hooks.py's `copied_away`), rather than a copy of the
+        # recorder and everything it holds.
+        from nanwatch.core.hooks import copied_away  # core/hooks.py imports this module
+
+        return copied_away(self, memo)
 
     def __reduce__(self) -> tuple[Any, ...]:
-        raise TypeError(
-            f"nanwatch's hook on module {self.site.name or self.site.class_name!r} cannot be pickled: pickle or save "
-            "the model's state_dict(), or close the watch handle (its hooks go with it) before pickling the model"
-        )
+        # `torch.save(model)` and `pickle` store the module's hook dicts with it: this hook goes as a no-op of the
+        # standard library (core/hooks.py's `pickled_away`), which the pickle of its bound method reaches as the
+        # `forward_hook` of what this reduces to.
+        from nanwatch.core.hooks import pickled_module_hook
+
+        return pickled_module_hook()
 
     def forward_hook(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
         recorder = self.recorder
