@@ -15,10 +15,9 @@ from typing import Any
 
 import pytest
 import torch
+from tests.twins.twin import StepCounter, TwinEnd, seed_everything, twin_end
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
-
-from tests.twins.twin import StepCounter, TwinEnd, seed_everything, twin_end
 
 pytestmark = pytest.mark.slow
 
