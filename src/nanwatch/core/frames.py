@@ -96,6 +96,8 @@ class ResolvedEntry:
 
     Attributes:
         abs_min, abs_max: the lead statistic; None when the line has a note instead.
+        note: without numbers, why there are none ("None", "empty", "meta: not measured"); with them, what they were
+            taken from where that is not every element as the tensor holds it ("sparse_coo: values"), else None.
         stats: the other statistics' values by statistic name (measured, or known for free), where there are any.
     """
 
@@ -214,7 +216,7 @@ def resolve(frames: Sequence[Frame]) -> list[ResolvedFrame]:
                     free = statistic.derive(abs_min, abs_max)
                     if free is not None:
                         stats[statistic.name] = free
-            entries.append(ResolvedEntry(entry.label, entry.role, abs_min, abs_max, dtype, m.shape, None, stats))
+            entries.append(ResolvedEntry(entry.label, entry.role, abs_min, abs_max, dtype, m.shape, m.note, stats))
         resolved.append(
             ResolvedFrame(
                 frame.module_name, frame.class_name, frame.batch_number, frame.phase, tuple(entries), frame.direction

@@ -69,7 +69,9 @@ def format_entry(entry: ResolvedEntry) -> str:
     lead = registry.lead().format(entry.range) if entry.range is not None else None
     if lead is None:
         return format_note_line(entry.note or "not a tensor", entry.label)
-    return f"{lead} {entry.label}{trailing_text(entry.stats) if entry.stats else ''}"
+    # A note beside the numbers says what they were taken from: `output (sparse_coo: values)`.
+    label = entry.label if entry.note is None else f"{entry.label} ({entry.note})"
+    return f"{lead} {label}{trailing_text(entry.stats) if entry.stats else ''}"
 
 
 def format_frame(frame: ResolvedFrame) -> str:

@@ -14,7 +14,7 @@ import torch
 from nanwatch.core.frames import Entry, Frame, Role, resolve
 from nanwatch.core.report import format_entry
 from nanwatch.core.stats.cache import StatsCache
-from nanwatch.core.stats.kernels import FLOAT8_DTYPES
+from nanwatch.core.stats.kernels import FLOAT8_DTYPES, count_non_finite
 from nanwatch.core.stats.measure import Measurement, measure
 from nanwatch.core.stats.readback import holds_non_finite, read_flags
 from nanwatch.core.stats.stacking import MagnitudePlan
@@ -139,10 +139,10 @@ def test_float8_nan_and_inf_are_detected() -> None:
         (torch.empty(0), "empty"),
         (torch.empty(3, 0, 2, dtype=torch.float16), "empty"),
         (torch.nn.Parameter(torch.empty(0)), "empty"),
-        (torch.empty(4, 4, device="meta"), "meta"),
-        (torch.eye(3).to_sparse(), "sparse_coo"),
+        (torch.empty(4, 4, device="meta"), "meta: not measured"),
+        (torch.zeros(3, 3).to_sparse(), "sparse_coo: empty"),
     ],
-    ids=["empty", "empty-3d", "empty-parameter", "meta", "sparse"],
+    ids=["empty", "empty-3d", "empty-parameter", "meta", "sparse-of-zeros"],
 )
 def test_unmeasurable_tensors_are_skipped_with_a_reason(tensor: torch.Tensor, reason: str) -> None:
     m = measure(tensor)
@@ -186,10 +186,54 @@ def test_nested_tensor_is_measured_over_all_its_components() -> None:
     # An eval-mode nn.TransformerEncoder with a padding mask passes nested tensors between its layers.
     nested = torch.nested.nested_tensor([torch.tensor([0.5, -1.0]), torch.tensor([3.0, -0.25, 2.0])])
     assert _values(StatsCache().activation(nested)) == (0.25, 3.0)
-    assert _line(nested) == "2.50e-01 3.00e+00 x"
+    assert _line(nested) == "2.50e-01 3.00e+00 x (nested: values)"
     nested_inf = torch.nested.as_nested_tensor([torch.ones(2), torch.full((3,), float("-inf"))], layout=torch.jagged)
     frame = Frame("m", "M", 0, entries=[Entry("x", Role.INPUT, measure(nested_inf))])
     assert find_non_finite([frame])
+
+
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta state:UserWarning")
+@pytest.mark.parametrize(
+    "to_sparse",
+    [
+        lambda t: t.to_sparse(),
+        lambda t: t.to_sparse_csr(),
+        lambda t: t.to_sparse_csc(),
+        lambda t: t.to_sparse_bsr((2, 2)),
+        lambda t: t.to_sparse_bsc((2, 2)),
+    ],
+    ids=["coo", "csr", "csc", "bsr", "bsc"],
+)
+def test_sparse_tensors_are_measured_on_their_stored_values(to_sparse: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    dense = torch.tensor([[0.0, 0.5, 0.0, 0.0], [-4.0, 0.0, 0.0, 0.25]])
+    sparse = to_sparse(dense)
+    kind = str(sparse.layout).removeprefix("torch.")
+    m = measure(sparse)
+    # The values stored (a block format stores the zeros of its blocks too), not the zeros left out.
+    stored = (0.0 if kind in ("sparse_bsr", "sparse_bsc") else 0.25, 4.0)
+    assert (m.skipped, m.note, m.shape) == (None, f"{kind}: values", (2, 4))
+    assert _values(m) == stored
+    assert _line(sparse, "output") == f"{stored[0]:8.2e} {stored[1]:8.2e} output ({kind}: values)"
+    assert not find_non_finite([Frame("m", "M", 0, entries=[Entry("x", Role.OUTPUT, m)])])
+    dense[1, 0] = math.nan
+    with_nan = to_sparse(dense)
+    assert find_non_finite([Frame("m", "M", 0, entries=[Entry("x", Role.OUTPUT, measure(with_nan))])])
+    assert count_non_finite(with_nan).tolist() == [1, 0]
+    extra = measure(with_nan, (("non_finite_counts", count_non_finite),)).extra
+    assert extra is not None
+    assert extra["non_finite_counts"].tolist() == [1, 0]
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors:UserWarning")
+def test_nested_tensors_are_measured_on_their_components_only() -> None:
+    # A jagged tensor narrowed from a padded one keeps the whole buffer: only the components' elements are measured.
+    padded = torch.tensor([[1.0, 2.0, 9.0], [math.nan, 3.0, 4.0]])
+    narrowed = torch.nested.narrow(padded, 1, torch.tensor([0, 1]), torch.tensor([2, 2]), layout=torch.jagged)
+    m = measure(narrowed)
+    assert (m.note, m.shape) == ("nested: values", None)
+    assert _values(m) == (1.0, 4.0)
+    empty = torch.nested.nested_tensor([], layout=torch.strided)
+    assert measure(empty).skipped == "nested: empty"
 
 
 @pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor:UserWarning")

@@ -84,14 +84,19 @@ def _heard_by(deferral: weakref.ref[Deferral]) -> Callable[[torch.nn.Module, str
 
 
 def deferrable(args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> bool:
-    """One plain tensor in, one plain floating-point tensor out, no keywords, neither an inference tensor (no version
-    counter to tell a change by)."""
+    """One plain tensor in, one plain floating-point tensor out (strided, with values: not sparse, nested, meta or
+    empty, which a stack cannot measure), no keywords, neither an inference tensor (no version counter to tell a
+    change by)."""
     return (
         not kwargs
         and len(args) == 1
         and type(args[0]) is _Tensor
         and type(output) is _Tensor
         and output.dtype in DEFERRED_DTYPES
+        and output.layout is torch.strided
+        and not output.is_nested
+        and not output.is_meta
+        and output.numel() > 0
         and not output.is_inference()
         and not args[0].is_inference()
     )

@@ -15,7 +15,7 @@ import torch
 
 from nanwatch.core.frames import Direction, Entry, Frame, Role
 from nanwatch.core.stats.cache import TrackedBatch
-from nanwatch.core.stats.measure import Measurement, StackedMeasurement
+from nanwatch.core.stats.measure import Measurement, StackedMeasurement, measure
 from nanwatch.core.stats.staging import Rows
 from nanwatch.core.walk import OUTPUT_LABEL, input_label
 
@@ -25,6 +25,7 @@ _PARAMETER, _INPUT, _OUTPUT, _FORWARD = Role.PARAMETER, Role.INPUT, Role.OUTPUT,
 _INPUT_0 = input_label(0)
 # The dtypes of the outputs deferred: a stack of them measures each exactly.
 DEFERRED_DTYPES = frozenset((torch.float32, torch.float16, torch.bfloat16, torch.float64))
+_STRIDED = torch.strided
 
 
 class Settled:
@@ -140,8 +141,9 @@ class DeferredOutputs:
         self.kept: list[torch.Tensor | int] = []  # until measured
         self.dtype: torch.dtype | None = None  # the first output's dtype, and whether another was admitted since
         self.mixed = False
-        self._groups: list[_OutputGroup] = []
-        self._where: list[tuple[_OutputGroup, int]] | None = None  # each output's group and row, with several groups
+        self._groups: list[_OutputGroup | _AloneGroup] = []
+        # Each output's group and row, with several groups.
+        self._where: list[tuple[_OutputGroup | _AloneGroup, int]] | None = None
         self._tensors: list[torch.Tensor] | None = None  # the outputs alone, once `changed` took them from `kept`
 
     def admits(self, dtype: torch.dtype) -> bool:
@@ -173,32 +175,54 @@ class DeferredOutputs:
             return []
         first = tensors[0]
         if not self.mixed:
-            try:  # one stack: refused (RuntimeError) when shapes or devices differ
+            try:  # one stack: refused (RuntimeError) when shapes, devices or layouts differ
                 stacked = torch.stack(tensors)
             except RuntimeError:
                 pass
             else:
-                self._groups = [_OutputGroup(stacked, first.dtype, tuple(first.shape))]
-                return [(self._groups[0].rows, first.dtype)]
+                if _measurable(stacked):
+                    whole = _OutputGroup(stacked, first.dtype, tuple(first.shape))
+                    self._groups = [whole]
+                    return [(whole.rows, first.dtype)]
         groups: dict[tuple[torch.dtype, torch.Size, torch.device], list[int]] = {}
-        for row, tensor in enumerate(tensors):
-            groups.setdefault((tensor.dtype, tensor.shape, tensor.device), []).append(row)
-        where: list[tuple[_OutputGroup, int]] = [None] * len(tensors)  # type: ignore[list-item]
+        try:
+            for row, tensor in enumerate(tensors):
+                groups.setdefault((tensor.dtype, tensor.shape, tensor.device), []).append(row)
+        except RuntimeError:  # a nested tensor has no shape: each output measured on its own
+            groups = {(first.dtype, torch.Size(), first.device): list(range(len(tensors)))}
+        where: list[tuple[_OutputGroup | _AloneGroup, int]] = [None] * len(tensors)  # type: ignore[list-item]
+        read: list[tuple[Rows, torch.dtype]] = []
         for (dtype, shape, _), rows in groups.items():
-            group = _OutputGroup(torch.stack([tensors[row] for row in rows]), dtype, tuple(shape))
+            group = _group([tensors[row] for row in rows], dtype, tuple(shape))
+            read += group.read()
             self._groups.append(group)
             for place, row in enumerate(rows):
                 where[row] = (group, place)
         self._where = where
-        return [(group.rows, group.dtype) for group in self._groups]
+        return read
 
-    def measurement(self, at: int) -> StackedMeasurement:
+    def measurement(self, at: int) -> Measurement:
         """The measurement of the output kept at `at` (after `measure`)."""
         where = self._where
         if where is None:
             return self._groups[0].measurement(at >> 1)
         group, row = where[at >> 1]
         return group.measurement(row)
+
+
+def _measurable(stacked: torch.Tensor) -> bool:
+    """Whether a stack of outputs can be measured as one: strided and holding values (not sparse, meta or empty)."""
+    return stacked.layout is _STRIDED and not stacked.is_meta and stacked.numel() > 0
+
+
+def _group(tensors: list[torch.Tensor], dtype: torch.dtype, shape: tuple[int, ...]) -> _OutputGroup | _AloneGroup:
+    """Outputs of one dtype, shape and device, measured as one stack; or each on its own where a stack cannot be
+    (sparse, nested, meta or empty outputs, met once a module was deferred)."""
+    try:
+        stacked = torch.stack(tensors)
+    except RuntimeError:  # layouts differ, or a layout torch cannot stack
+        return _AloneGroup(tensors)
+    return _OutputGroup(stacked, dtype, shape) if _measurable(stacked) else _AloneGroup(tensors)
 
 
 class _OutputGroup:
@@ -213,8 +237,37 @@ class _OutputGroup:
         self.dtype, self.shape = dtype, shape
         self.made: dict[int, StackedMeasurement] = {}
 
+    def read(self) -> list[tuple[Rows, torch.dtype]]:
+        return [(self.rows, self.dtype)]
+
     def measurement(self, row: int) -> StackedMeasurement:
         found = self.made.get(row)
         if found is None:
             found = self.made[row] = StackedMeasurement(self.rows, row, self.dtype, self.shape)
         return found
+
+
+class _AloneGroup:
+    """Deferred outputs a stack cannot measure, each measured on its own as a call recorded as it returns would be
+    (`measure`: a sparse tensor's values, a note for a meta or empty one); their abs maxima are stacked for the
+    screen."""
+
+    __slots__ = ("made",)
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        self.made = [measure(tensor) for tensor in tensors]
+
+    def read(self) -> list[tuple[Rows, torch.dtype]]:
+        """The measured rows' abs min and max, stacked by device and dtype (those with no numbers left out)."""
+        kinds: dict[tuple[torch.device, torch.dtype, torch.dtype | None], list[Measurement]] = {}
+        for found in self.made:
+            if found.abs_max is not None and found.abs_max.is_floating_point():
+                kinds.setdefault((found.abs_max.device, found.abs_max.dtype, found.dtype), []).append(found)
+        return [
+            (Rows(torch.stack([m.abs_min for m in made]), torch.stack([m.abs_max for m in made])), dtype)  # type: ignore[misc]
+            for (_, _, dtype), made in kinds.items()
+            if dtype is not None
+        ]
+
+    def measurement(self, row: int) -> Measurement:
+        return self.made[row]

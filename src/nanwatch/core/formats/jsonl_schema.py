@@ -23,7 +23,9 @@ parameter, an input or an output of one module call), schema version 2:
 - one column per value of every registered statistic (core/stats/registry.py): `abs_min`, `abs_max` (the numbers of
   the text line), `nan`, `inf` (counts: exact where known for free or traced, else null), `subnormal`,
   `target_subnormal`, `target_zero` (with `count_underflow`, else null), and those of any statistic registered since.
-- `note`: what the text shows instead of numbers ("None", "not a tensor", "empty", ...), else null.
+- `note`: what the text shows instead of numbers ("None", "not a tensor", "empty", "meta: not measured", ...);
+  beside numbers, what they were taken from where that is not every element as the tensor holds it
+  ("sparse_coo: values", "nested: values"); else null.
 - report records only (null in trace records): `report_batch`, `report_module` (where inf/nan was detected),
   `report_frames` (how many frames the report has), `report_culprit` (the culprit line) and `report_footer` (all the
   text the report has after its frames: the culprit, the loss scale, ...).

@@ -213,11 +213,12 @@ class _Record:
 
 
 def _skipped(tensor: torch.Tensor) -> str:
-    """Why a tensor gets no numbers under compile ("" when it gets them), as the eager path says it."""
+    """Why a tensor gets no numbers under compile ("" when it gets them), as the eager path says it where it also has
+    none (a sparse tensor, whose values the eager path measures, is not measured inside a graph)."""
     if tensor.is_meta:
-        return "meta"
+        return "meta: not measured"
     if tensor.layout is not torch.strided:
-        return str(tensor.layout).replace("torch.", "")
+        return str(tensor.layout).replace("torch.", "") + ": not measured"
     if tensor.numel() == 0:
         return "empty"
     dtype = tensor.dtype

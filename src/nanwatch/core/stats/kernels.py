@@ -6,7 +6,7 @@ import threading
 
 import torch
 
-__all__ = ["FLOAT8_DTYPES", "ABS_KEEPS_DTYPE", "abs_aminmax", "count_non_finite"]
+__all__ = ["FLOAT8_DTYPES", "ABS_KEEPS_DTYPE", "abs_aminmax", "count_non_finite", "values_of"]
 
 FLOAT8_DTYPES: frozenset[torch.dtype] = frozenset(
     getattr(torch, name)
@@ -123,11 +123,30 @@ def _as_magnitudes(
     return torch.minimum(low.view(dtype), high), high
 
 
-def count_non_finite(tensor: torch.Tensor) -> torch.Tensor:
-    """`[nan count, inf count]` of a tensor, as one int64 vector on its device."""
-    data = tensor.detach()
+def values_of(data: torch.Tensor) -> torch.Tensor:
+    """The values a nested or sparse tensor (detached) holds, as one strided tensor; `data` itself for any other.
+
+    Sparse: the values stored (COO's as stored, duplicates not summed), not the zeros left out. Nested: every
+    component's elements (a jagged tensor's buffer when its components fill it). Raises where the layout has no values
+    to read (NotImplementedError, RuntimeError).
+    """
     if data.is_nested:
-        data = torch.cat([part.reshape(-1) for part in data.unbind()])
+        if data.layout is torch.jagged and getattr(data, "_lengths", None) is None:
+            return data.values()  # the components one after another, nothing else
+        parts = [part.reshape(-1) for part in data.unbind()]
+        return torch.cat(parts) if parts else torch.empty(0, dtype=data.dtype, device=data.device)
+    layout = data.layout
+    if layout is torch.strided:
+        return data
+    if layout is torch.sparse_coo:
+        return data._values()  # values() asks for a coalesced tensor: coalescing would sum duplicates, a new op
+    return data.values()  # CSR, CSC, BSR, BSC (blocks: still values)
+
+
+def count_non_finite(tensor: torch.Tensor) -> torch.Tensor:
+    """`[nan count, inf count]` of a tensor (of the values it holds: `values_of`), as one int64 vector on its
+    device."""
+    data = values_of(tensor.detach())
     if data.is_quantized:
         data = data.dequantize()
     elif data.dtype in FLOAT8_DTYPES:

@@ -13,13 +13,14 @@ import torch
 
 from nanwatch.core.config import WatchConfig
 from nanwatch.core.stats.base import Kernel
-from nanwatch.core.stats.kernels import ABS_KEEPS_DTYPE, FLOAT8_DTYPES
+from nanwatch.core.stats.kernels import ABS_KEEPS_DTYPE, FLOAT8_DTYPES, values_of
 from nanwatch.core.stats.registry import extras, lead
 from nanwatch.core.stats.sharded import local_shard
 from nanwatch.core.stats.staging import Rows
 
 __all__ = [
     "Measurement",
+    "NotedMeasurement",
     "StackedMeasurement",
     "ExtraKernels",
     "extra_kernels",
@@ -40,7 +41,7 @@ class Measurement:
     Attributes:
         abs_min, abs_max: the lead statistic, as 0-d tensors on the tensor's device.
         dtype, shape: of the tensor (`shape` is None for a nested tensor).
-        skipped: why there are no numbers: "empty", "meta", "sparse_coo", ...
+        skipped: why there are no numbers: "empty", "meta: not measured", ...
         extra: the other statistics measured in this run, by name: one device vector each.
     """
 
@@ -54,6 +55,29 @@ class Measurement:
     @property
     def is_float(self) -> bool:
         return self.abs_max is not None and self.abs_max.is_floating_point()
+
+    @property
+    def note(self) -> str | None:
+        """With numbers, what they were taken from where that is not every element as the tensor holds it (a
+        `NotedMeasurement`); None for a plain tensor's (a class-level answer: nothing is set per measurement)."""
+        return None
+
+
+class NotedMeasurement(Measurement):
+    """The numbers of the values a sparse or nested tensor holds, and a note that says so: "sparse_coo: values" (the
+    values stored, not the zeros left out), "nested: values"."""
+
+    __slots__ = ("_note",)
+
+    def __init__(
+        self, abs_min: torch.Tensor, abs_max: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...] | None, note: str
+    ) -> None:
+        super().__init__(abs_min, abs_max, dtype, shape)
+        self._note = note
+
+    @property
+    def note(self) -> str | None:
+        return self._note
 
 
 class StackedMeasurement(Measurement):
@@ -107,7 +131,8 @@ def measure(tensor: torch.Tensor, kernels: ExtraKernels = ()) -> Measurement:
         tensor = local_shard(tensor)
     measurement = _measure_range(tensor)
     if kernels and measurement.abs_max is not None:
-        data = tensor.detach()
+        # The other statistics are of the same elements as the lead's: a sparse tensor's stored values, ...
+        data = tensor.detach() if measurement.note is None else values_of(tensor.detach())
         found = {}
         for name, kernel in kernels:
             vector = kernel(data)
@@ -143,17 +168,12 @@ def _measure_range(tensor: torch.Tensor) -> Measurement:
         data = tensor if type(tensor) is torch.Tensor and not tensor.requires_grad else tensor.detach()
         abs_min, abs_max = _RANGE(data)
         return Measurement(abs_min, abs_max, dtype, tuple(tensor.shape))
-    if tensor.is_nested:
-        # A nested tensor has no single shape (asking for it raises); an eval-mode nn.TransformerEncoder with a
-        # padding mask passes these between its layers. Its numbers are those of all its components together.
-        flat = _measure_range(torch.cat([part.reshape(-1) for part in tensor.detach().unbind()]))
-        return Measurement(flat.abs_min, flat.abs_max, tensor.dtype, None, flat.skipped)
+    if tensor.is_nested or tensor.layout is not torch.strided:
+        return _measure_values(tensor)
     shape = tuple(tensor.shape)
     dtype = tensor.dtype
     if tensor.is_meta:
-        return Measurement(None, None, dtype, shape, skipped="meta")
-    if tensor.layout is not torch.strided:
-        return Measurement(None, None, dtype, shape, skipped=str(tensor.layout).replace("torch.", ""))
+        return Measurement(None, None, dtype, shape, skipped="meta: not measured")
     if tensor.numel() == 0:
         return Measurement(None, None, dtype, shape, skipped="empty")
     # detach() only where a graph could be built or a subclass hides the plain tensor (a Parameter): one op less for
@@ -180,3 +200,23 @@ def _measure_range(tensor: torch.Tensor) -> Measurement:
         # A dtype torch cannot reduce here (uint64, an exotic subclass): marked, never a reason to stop watching.
         return Measurement(None, None, dtype, shape, skipped=f"{str(dtype).replace('torch.', '')} not measured")
     return Measurement(abs_min, abs_max, dtype, shape)
+
+
+def _measure_values(tensor: torch.Tensor) -> Measurement:
+    """A nested or sparse tensor, measured on the values it holds (`values_of`), and said so on its line."""
+    nested = tensor.is_nested
+    # A nested tensor has no single shape (asking for it raises); an eval-mode nn.TransformerEncoder with a padding
+    # mask passes these between its layers.
+    shape = None if nested else tuple(tensor.shape)
+    kind = "nested" if nested else str(tensor.layout).replace("torch.", "")
+    if tensor.is_meta:
+        return Measurement(None, None, tensor.dtype, shape, skipped=f"{kind}, meta: not measured")
+    try:
+        values = values_of(tensor.detach())
+    except (NotImplementedError, RuntimeError, TypeError):  # a layout with no values to read (mkldnn, a new one)
+        return Measurement(None, None, tensor.dtype, shape, skipped=f"{kind}: not measured")
+    found = _measure_range(values)
+    if found.abs_max is None:  # "empty": no values (a sparse tensor of zeros only, a nested tensor of empty parts)
+        return Measurement(None, None, tensor.dtype, shape, skipped=f"{kind}: {found.skipped}")
+    assert found.abs_min is not None
+    return NotedMeasurement(found.abs_min, found.abs_max, tensor.dtype, shape, f"{kind}: values")
