@@ -5,6 +5,7 @@ transformers' `DebugUnderflowOverflow` (the oracle) does, or says it cannot.
   batches does);
 - another tool's forward hook, after nanwatch's, that starts halving an output in place at a later batch;
 - `torch.func.functional_call` with a weight that holds inf at one batch;
+- a parametrization (`torch.nn.utils.parametrize`) whose weight goes inf at one batch;
 - a caller whose in-place change overflows a Linear's output from a later batch: the inf is born in the caller's code;
 - a module called twice in one forward, its second call's output changed in place by the caller.
 
@@ -134,6 +135,23 @@ def _nothing(model: nn.Module) -> None:
     return None
 
 
+class _Scaled(nn.Module):
+    """A parametrization: the weight the call uses is the registered one times `factor` (inf from batch 3)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.batch_of = lambda: model.batch  # not a submodule: the model holds this one
+
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        return weight * (math.inf if self.batch_of() >= 3 else 1.0)
+
+
+def _parametrized() -> nn.Module:
+    model = Net()
+    torch.nn.utils.parametrize.register_parametrization(model.fc, "weight", _Scaled(model))
+    return model
+
+
 CASES = {
     "caller-changes-output-from-batch-2": Case(
         lambda: Net(changes=True), _nothing, _plain_call, "boost", {(2, "fc", "output")}, "boost (Scale)"
@@ -148,6 +166,15 @@ CASES = {
         "fc",
         set(),
         "weight of fc (Linear) was already non-finite when this forward ran",
+    ),
+    # The weight `fc` uses is its parametrization's output, recorded as that module's frame, which both name.
+    "parametrized-weight-inf": Case(
+        _parametrized,
+        _nothing,
+        _plain_call,
+        "fc.parametrizations.weight.0",
+        set(),
+        "produced by fc.parametrizations.weight.0 (_Scaled): inputs finite",
     ),
     # Both end at `head`, whose input holds the inf; nanwatch's culprit line says where it was born: the model's own
     # code, never `fc`, whose output it could not measure.
