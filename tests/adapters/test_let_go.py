@@ -17,6 +17,8 @@ from tests.engine_helpers import fail_internally
 from torch import nn
 
 import nanwatch
+from nanwatch.core.engine.deferred_frames import DeferredFrame
+from nanwatch.core.frames import Frame
 
 
 def _model() -> nn.Module:
@@ -160,3 +162,55 @@ def test_a_closed_accelerate_tracker_holds_nothing_of_the_model(fresh_accelerate
     tracker.detach()
     # The user's accelerator, which the tracker keeps, holds the model itself: what is asked is the tracker's own.
     assert holding(tracker, model, beyond=(Accelerator,)) == []
+
+
+def tensors_held(root: object, *, beyond: tuple[type, ...]) -> list[str]:
+    """The paths from `root` to any tensor (the walk of `holding`)."""
+    seen = {id(root)}
+    stack: list[tuple[object, str]] = [(root, type(root).__name__)]
+    found = []
+    while stack:
+        obj, path = stack.pop()
+        referents: list[Any] = (
+            list(obj.__closure__ or ()) + list(obj.__defaults__ or ())
+            if isinstance(obj, types.FunctionType)
+            else gc.get_referents(obj)
+        )
+        for ref in referents:
+            if isinstance(ref, (type, types.ModuleType, types.FrameType, *beyond)) or id(ref) in seen:
+                continue
+            seen.add(id(ref))
+            where = f"{path} -> {type(ref).__name__}"
+            if isinstance(ref, torch.Tensor):
+                found.append(f"{where} {tuple(ref.shape)}")
+            else:
+                stack.append((ref, where))
+    return found
+
+
+TENSOR_CASES = {
+    "full": {},
+    "sentinel": {"mode": "sentinel"},
+    "gradients": {"watch_gradients": True},
+    "captured": {"capture_on_detect": True},
+    "spikes": {"spike_window": 4},
+}
+
+
+@pytest.mark.parametrize("overrides", list(TENSOR_CASES.values()), ids=list(TENSOR_CASES))
+def test_a_closed_handle_holds_no_tensor(overrides: dict[str, Any], tmp_path: Path) -> None:
+    # Before: with capture_on_detect the RNG states copied at the last forward (a 5,056-element tensor), with spikes
+    # the windows of recent values, stayed reachable from the closed handle. The frames the ring keeps for reading
+    # after close (`recent_frames()`) hold their statistics as they were measured, and are not walked.
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    handle = nanwatch.watch(model, optimizer=optimizer, report_dir=tmp_path, **overrides)
+    for _ in range(6):
+        loss = handle.watch_loss(model(torch.randn(5, 3)).sum())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        handle.step()
+    del loss
+    handle.close()
+    assert tensors_held(handle, beyond=(Frame, DeferredFrame)) == []

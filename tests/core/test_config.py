@@ -108,7 +108,7 @@ def test_the_class_itself_gives_the_same_short_error_with_its_did_you_mean() -> 
     with pytest.raises(ConfigError) as info:
         WatchConfig(trace_batch_num=[1])  # type: ignore[call-arg]
     message = str(info.value)
-    assert message.startswith("WatchConfig: unknown field 'trace_batch_num' (did you mean 'trace_batch_nums'? ")
+    assert message == "WatchConfig: unknown field 'trace_batch_num' (did you mean 'trace_batch_nums'?)"
     assert "\n" not in message
     assert isinstance(info.value, ValueError)
     with pytest.raises(ConfigError, match=r"^WatchConfig: field 'max_frames_to_save': .*\(got 0\)$"):
@@ -133,10 +133,10 @@ def test_error_shows_the_received_value() -> None:
         WatchConfig.from_dict({"max_frames_to_save": 0})
 
 
-def test_unknown_keys_are_named_with_the_known_fields(tmp_path: Path) -> None:
+def test_unknown_keys_are_named_with_the_known_field_meant(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="unknown field 'max_frames'") as info:
         WatchConfig.from_dict({"max_frames": 3})
-    assert "max_frames_to_save" in str(info.value)  # the known fields are listed
+    assert "max_frames_to_save" in str(info.value)  # the known field it was likely meant to be
 
     path = tmp_path / "typo.yaml"
     path.write_text("trace_batch_num: [1]\n")
@@ -363,3 +363,63 @@ def test_a_rerun_records_the_whole_model_and_does_nothing_else() -> None:
     assert rerun.abort_after_batch_num is None
     assert rerun.exclude_modules == ["lm_head"]
     assert config.for_rerun(gradients=False).watch_gradients is False
+
+
+# Every field that takes a number (an int or a float; alone, optional, or in a list).
+NUMBER_FIELDS = [
+    name
+    for name, info in WatchConfig.model_fields.items()
+    if re.search(r"\b(int|float)\b", str(info.annotation)) and info.annotation is not bool
+]
+
+
+def test_the_number_fields_are_all_found() -> None:
+    assert {"spike_zscore", "spike_factor", "rank_wait_s", "max_frames_to_save", "trace_ranks"} <= set(NUMBER_FIELDS)
+    assert "watch_eval" not in NUMBER_FIELDS
+
+
+@pytest.mark.parametrize("field", NUMBER_FIELDS)
+def test_no_number_field_takes_a_boolean_through_any_door(field: str, tmp_path: Path) -> None:
+    # Before: `spike_zscore: yes` in a YAML file was read as 6.0's replacement 1.0 (spike_factor, rank_wait_s the
+    # same), while the whole-number fields and the fractions refused it.
+    value: Any = [True] if "list" in str(WatchConfig.model_fields[field].annotation) else True
+    yaml_file, json_file = tmp_path / "c.yaml", tmp_path / "c.json"
+    yaml_file.write_text(f"{field}: {'[yes]' if isinstance(value, list) else 'yes'}\n")
+    json_file.write_text(json.dumps({field: value}))
+    doors = [
+        lambda: WatchConfig.from_file(yaml_file),
+        lambda: WatchConfig.from_file(json_file),
+        lambda: WatchConfig.from_dict({field: value}),
+        lambda: WatchConfig(**{field: value}),
+        lambda: resolve_config(None, **{field: value}),
+        lambda: nanwatch.watch(torch.nn.Linear(1, 1), **{field: value}),
+    ]
+    for door in doors:
+        with pytest.raises(ConfigError, match=rf"field {field!r}: expected .*not (a )?boolean"):
+            door()
+    config = WatchConfig()
+    with pytest.raises(ConfigError, match=rf"field {field!r}"):
+        setattr(config, field, value)
+
+
+@pytest.mark.parametrize(
+    ("key", "hint"),
+    [("max_frame_to_save", "(did you mean 'max_frames_to_save'?)"), ("colour", "(`nanwatch config` lists the fields)")],
+)
+def test_an_unknown_field_is_one_short_line(key: str, hint: str, tmp_path: Path) -> None:
+    # Before: the did-you-mean was followed by every known field, 620 characters.
+    path = tmp_path / "typo.yaml"
+    path.write_text(f"{key}: 3\n")
+    for door in (
+        lambda: WatchConfig.from_dict({key: 3}),
+        lambda: WatchConfig(**{key: 3}),
+        lambda: WatchConfig().with_overrides(**{key: 3}),
+        lambda: WatchConfig.from_file(path),
+    ):
+        with pytest.raises(ConfigError) as info:
+            door()
+        message = str(info.value)
+        assert message.endswith(f"unknown field {key!r} {hint}")
+        assert "\n" not in message
+        assert len(message) - len(str(path)) < 200
+        assert "spike_zscore" not in message  # not the list of every field

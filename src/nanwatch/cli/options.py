@@ -39,7 +39,6 @@ LightningCLI uses): each changes command lines that work today.
 from __future__ import annotations
 
 import argparse
-import difflib
 import re
 import textwrap
 import types
@@ -53,6 +52,7 @@ from pydantic.fields import FieldInfo
 
 from nanwatch.cli import validators
 from nanwatch.core.config import ConfigError, WatchConfig, echo, read_config_file
+from nanwatch.core.config.messages import unknown_field
 
 __all__ = [
     "ConfigOption",
@@ -286,9 +286,7 @@ def _explain(error: ValidationError, given: Mapping[str, Any], file_source: str)
         field = str(item["loc"][0]) if item["loc"] else None
         message = item["msg"].removeprefix("Value error, ")
         if item["type"] == "extra_forbidden":
-            near = difflib.get_close_matches(str(field), fields, n=1)
-            hint = f"did you mean {near[0]!r}? " if near else ""
-            problems.append(f"{file_source}: unknown field {field!r} ({hint}known fields: {', '.join(fields)})")
+            problems.append(f"{file_source}: {unknown_field(str(field), fields)}")
         elif field is None:
             problems.append(f"the combined config (defaults, file, options): {message}")
         elif field in given:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
@@ -248,24 +248,17 @@ class WatchConfig(BaseModel):
             raise ValueError(f"{what} cannot be negative, got {negative}")
         return value
 
-    @field_validator(
-        "max_frames_to_save",
-        "abort_after_batch_num",
-        "trace_batch_nums",
-        "trace_ranks",
-        "watch_every_n_batches",
-        "watch_first_batch",
-        "watch_last_batch",
-        "summary_every_n_batches",
-        "max_consecutive_skips",
-        "spike_window",
-        mode="before",
-    )
+    @field_validator("*", mode="before")
     @classmethod
-    def _no_booleans(cls, value: Any) -> Any:
-        # YAML reads `true`/`yes` as a bool, which pydantic would quietly take for the number 1.
-        if isinstance(value, bool) or (isinstance(value, list) and any(isinstance(item, bool) for item in value)):
-            raise ValueError(f"expected whole numbers, not booleans, got {value!r}")
+    def _no_booleans(cls, value: Any, info: ValidationInfo) -> Any:
+        # YAML reads `true`/`yes` as a bool, which pydantic would quietly take for the number 1: no number field (nor a
+        # list of numbers) takes one, from a file, a dict or a keyword alike.
+        kind = _NUMBERS.get(info.field_name or "")
+        if kind is not None and (
+            isinstance(value, bool) or (isinstance(value, list) and any(isinstance(item, bool) for item in value))
+        ):
+            what = f"{kind}s, not booleans" if isinstance(value, list) else f"a {kind}, not a boolean"
+            raise ValueError(f"expected {what}")
         return value
 
     @field_validator("min_loss_scale", mode="before")
@@ -375,6 +368,25 @@ class WatchConfig(BaseModel):
                 "checkpoint_guard": "off",
             }
         )
+
+
+def _number_kind(annotation: Any) -> str | None:
+    """ "whole number" for a field of ints (or a list of them), "number" for one that takes floats, else None."""
+    kinds: set[type] = set()
+    stack = [annotation]
+    while stack:
+        found = stack.pop()
+        if found in (int, float):
+            kinds.add(found)
+        stack.extend(get_args(found))
+    return "number" if float in kinds else "whole number" if int in kinds else None
+
+
+# Every numeric field (int or float, alone, optional or in a list), with what it takes: `_no_booleans` refuses a
+# boolean in any of them.
+_NUMBERS = {
+    name: kind for name, info in WatchConfig.model_fields.items() if (kind := _number_kind(info.annotation)) is not None
+}
 
 
 def _describe(error: ValidationError, source: str) -> str:

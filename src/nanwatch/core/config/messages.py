@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from pydantic import ValidationError
 
-__all__ = ["describe", "echo", "shorten"]
+__all__ = ["describe", "echo", "shorten", "unknown_field"]
 
 # Echoed inputs are cut to this many characters: a message must fit on a screen, whatever was passed in.
 _ECHO = 120
@@ -25,16 +25,21 @@ def describe(error: ValidationError, source: str, fields: Sequence[str]) -> str:
     for item in error.errors():
         field = ".".join(str(part) for part in item["loc"]) or "(root)"
         if item["type"] == "extra_forbidden":
-            known = ", ".join(fields)
-            near = difflib.get_close_matches(field, list(fields), n=1)
-            hint = f"did you mean {near[0]!r}? " if near else ""
-            problems.append(f"unknown field {field!r} ({hint}known fields: {known})")
+            problems.append(unknown_field(field, fields))
         elif not item["loc"]:  # a rule across fields (capture_on_detect needs report_dir)
             problems.append(item["msg"].removeprefix("Value error, "))
         else:
             message = item["msg"].removeprefix("Value error, ")
             problems.append(f"field {field!r}: {message} (got {echo(item.get('input'))})")
     return f"{source}: " + "; ".join(problems)
+
+
+def unknown_field(field: str, fields: Sequence[str]) -> str:
+    """What an unknown field's mistake says: the field (cut short), and the known field it was likely meant to be, or
+    where the known fields are listed; one short line, not the whole list."""
+    near = difflib.get_close_matches(field, list(fields), n=1)
+    hint = f"did you mean {near[0]!r}?" if near else "`nanwatch config` lists the fields"
+    return f"unknown field {shorten(repr(field), 60)} ({hint})"
 
 
 def echo(value: object) -> str:

@@ -138,8 +138,10 @@ class ReplayCapture(Feature):
             self._label = (self._ctx.phase, self._ctx.current_batch)
 
     def _release(self) -> None:
+        # The RNG states too: the CPU generator's alone is a 5,056-byte tensor. What a user keeps of a detection is
+        # on disk by now (the replay file is written as the detection is published).
         self._label = None
-        self._parameters, self._buffers, self._args, self._kwargs = {}, {}, (), {}
+        self._parameters, self._buffers, self._args, self._kwargs, self._rng = {}, {}, (), {}, {}
 
     def _fail(self, ctx: EngineContext, reason: str) -> None:
         self._failed = reason

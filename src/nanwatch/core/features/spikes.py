@@ -125,8 +125,13 @@ class SpikeMonitor(Feature):
             self._history.append(outputs)
 
     def close(self, ctx: EngineContext) -> None:
+        # Nothing on a device stays: the windows' values and latest judgement, the flags not reviewed. The spikes
+        # reported (`spikes`, plain numbers) stay for the user to read.
         self._history.clear()
         self._loss = None
+        self._flags = []
+        for window in self._windows.values():
+            window.values, window.count, window.judged = None, 0, []
 
     # ---------------------------------------------------------------------------------------------- the report
 
