@@ -14,7 +14,9 @@ eligible call's output and version counter are noted, and at the check a module 
 place since their calls is deferred from then on; one whose output was changed (a `ReLU(inplace=True)` after it,
 `x += y` in its caller), whose parameters changed within the batch, or that had a call that could not be deferred,
 never is. The version counter is what tells: a deferred output whose counter moved by the check (a change that began
-later) is measured as it is then, and its module is recorded as it returns from then on. The input is the previous
+later, such as a caller's `masked_fill_` on padded batches only) is not measured, since its values are no longer
+what the call returned: its line says it was changed in place after the call, the check neither screens nor blames
+it, and its module is recorded as it returns (measured at the call) from then on. The input is the previous
 deferred call's output when it is that tensor unchanged (a chain of modules), else measured at the call as before.
 A deferred module's lines name its parameters' batch measurement (made at the batch's first call). Its first
 recorded batch shows that the measurement is what its call used (not weights gathered for the call, as FSDP and
@@ -267,12 +269,18 @@ class Deferral:
             tracked = self._cache.measured_batch
             if tracked is not self._current or tracked is None:
                 tracked = self._renew()
+            lines = site.lines
             if tracked is None or self.check_each_call:  # checked at the call: unchanged since measured?
-                lines = site.lines
                 if tracked is None or lines.remade or not lines.unchanged(params, tracked):
                     site.defer, site.changed = False, True  # recorded as it returns from now on
                     return False
-            named = site.lines.named
+            elif not lines.holds(params):
+                # Other tensors than the module's own in its parameter dict for this call (`functional_call`,
+                # `stateless` swaps): the batch measurement is not what the call used. Recorded as it returns, with the
+                # tensors it used, from now on.
+                site.defer, site.changed = False, True
+                return False
+            named = lines.named
             if site.screened is not self._screen_key:  # the screen reads its parameters (once per module)
                 site.screened = self._screen_key
                 self.settled.parameters.append((tracked, named))
@@ -300,8 +308,8 @@ class Deferral:
         outputs, batches = self._outputs, self._batches
         self._new_round()
         changed = outputs.changed()
-        if changed:  # changed in place since the call: measured as it is now, and its module recorded as it returns
-            self._stop_deferring(pending, outputs, set(changed))  # from now on
+        if changed:  # changed in place since the call: not measured, and its module recorded as it returns from now
+            self._stop_deferring(pending, outputs, set(changed))  # on
         self._check_parameters(batches)
         with torch.no_grad():
             self.settled.stacks += outputs.measure()

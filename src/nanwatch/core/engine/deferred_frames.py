@@ -19,10 +19,20 @@ from nanwatch.core.stats.measure import Measurement, StackedMeasurement, measure
 from nanwatch.core.stats.staging import Rows
 from nanwatch.core.walk import OUTPUT_LABEL, input_label
 
-__all__ = ["DEFERRED_DTYPES", "DeferredFrame", "DeferredOutputs", "FrameSource", "Named", "Settled"]
+__all__ = [
+    "CHANGED_AFTER_CALL",
+    "DEFERRED_DTYPES",
+    "DeferredFrame",
+    "DeferredOutputs",
+    "FrameSource",
+    "Named",
+    "Settled",
+]
 
 _PARAMETER, _INPUT, _OUTPUT, _FORWARD = Role.PARAMETER, Role.INPUT, Role.OUTPUT, Direction.FORWARD
 _INPUT_0 = input_label(0)
+# What a deferred output's line says when it was changed in place after its call, before the check measured it.
+CHANGED_AFTER_CALL = "changed in place after the call: not measured"
 # The dtypes of the outputs deferred: a stack of them measures each exactly.
 DEFERRED_DTYPES = frozenset((torch.float32, torch.float16, torch.bfloat16, torch.float64))
 _STRIDED = torch.strided
@@ -135,7 +145,7 @@ class DeferredOutputs:
     made once however many lines show it (an output is the next module's input, and its container's output: the
     checks count a tensor once by its measurement)."""
 
-    __slots__ = ("kept", "dtype", "mixed", "_groups", "_where", "_tensors")
+    __slots__ = ("kept", "dtype", "mixed", "_groups", "_where", "_tensors", "_changed")
 
     def __init__(self) -> None:
         self.kept: list[torch.Tensor | int] = []  # until measured
@@ -145,6 +155,9 @@ class DeferredOutputs:
         # Each output's group and row, with several groups.
         self._where: list[tuple[_OutputGroup | _AloneGroup, int]] | None = None
         self._tensors: list[torch.Tensor] | None = None  # the outputs alone, once `changed` took them from `kept`
+        # The outputs changed in place after their calls, by row: not measured (the values now are not what the call
+        # returned), each shown as such (`measurement`).
+        self._changed: dict[int, Measurement] = {}
 
     def admits(self, dtype: torch.dtype) -> bool:
         """Whether an output of `dtype` (not the round's first) can be deferred: a floating-point dtype a stack
@@ -164,7 +177,13 @@ class DeferredOutputs:
         self._tensors = tensors  # `measure` stacks the same list
         if [tensor._version for tensor in tensors] == kept[1::2]:
             return []
-        return [2 * row for row, tensor in enumerate(tensors) if tensor._version != kept[2 * row + 1]]
+        rows = [row for row, tensor in enumerate(tensors) if tensor._version != kept[2 * row + 1]]
+        for row in rows:
+            tensor = tensors[row]
+            self._changed[row] = Measurement(None, None, tensor.dtype, tuple(tensor.shape), skipped=CHANGED_AFTER_CALL)
+            # Its row of the stack holds zeros: what the caller wrote there later is neither shown nor screened.
+            tensors[row] = torch.zeros_like(tensor)
+        return [2 * row for row in rows]
 
     def measure(self) -> list[tuple[Rows, torch.dtype]]:
         """Measure the outputs, their abs min and max (exact however grouped; nan propagates): the stacks' rows and
@@ -203,6 +222,10 @@ class DeferredOutputs:
 
     def measurement(self, at: int) -> Measurement:
         """The measurement of the output kept at `at` (after `measure`)."""
+        if self._changed:
+            changed = self._changed.get(at >> 1)
+            if changed is not None:
+                return changed
         where = self._where
         if where is None:
             return self._groups[0].measurement(at >> 1)
