@@ -31,8 +31,6 @@ from typing import Any, Protocol
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from nanwatch.core.engine.module_hook import ModuleHook
-
 __all__ = [
     "HookSet",
     "named_unique_modules",
@@ -146,6 +144,12 @@ def is_pickled_away(hook: Any) -> bool:
     )
 
 
+def _leaves_by_itself(hook: object) -> bool:
+    """True for the object of a hook that leaves pickles and deep copies by itself (the recorder's `ModuleHook`, in the
+    engine above this module: known by its class's mark, not imported)."""
+    return getattr(type(hook), "leaves_pickles_and_copies", False) is True
+
+
 def _stand_in() -> Any:
     """What stands, in a deep copy's hook dict, for one of our hooks until the copy is over and it is taken out:
     a no-op (also as `ModuleHook.forward_hook` bound to it: its recorder is never recording), pickled as one."""
@@ -201,10 +205,10 @@ def copied_away(hook: Any, memo: dict[int, Any]) -> Any:
     stand_in = _stand_in()
     handle = _PLACES.get(id(hook))
     if handle is None or not _placed(hook, handle):
-        return stand_in if isinstance(hook, ModuleHook) else stand_in.forward_hook
+        return stand_in if _leaves_by_itself(hook) else stand_in.forward_hook
     hooks = handle.hooks_dict_ref()
     copied = memo.get(id(hooks))  # the copy of the dict being filled (a dict is in the memo before its items)
-    value = stand_in if isinstance(hook, ModuleHook) else stand_in.forward_hook
+    value = stand_in if _leaves_by_itself(hook) else stand_in.forward_hook
     if copied is not None:
         # The marks dicts: copied now (the module's own copy takes these same copies from the memo).
         extra = [
@@ -264,11 +268,11 @@ class HookSet:
         and deep copies (see this file's docstring)."""
         _drop_pickled_away(module)
         owner = getattr(hook, "__self__", None)
-        if not isinstance(owner, ModuleHook):  # a ModuleHook leaves pickles and deep copies by itself
+        if not _leaves_by_itself(owner):  # a ModuleHook leaves pickles and deep copies by itself
             hook = _Own(hook)
         handle = module.register_forward_hook(hook, with_kwargs=with_kwargs, prepend=prepend)
         self._handles.append(handle)
-        self._place(owner if isinstance(owner, ModuleHook) else hook, handle)
+        self._place(owner if _leaves_by_itself(owner) else hook, handle)
 
     def add_handle(self, handle: RemovableHandle | Removable) -> None:
         """Hold `handle` (removed by `remove_all`). A torch hook's handle (a module's, an optimizer's) has its hook
@@ -277,7 +281,7 @@ class HookSet:
             hooks = handle.hooks_dict_ref()
             hook = None if hooks is None else hooks.get(handle.id)
             owner = getattr(hook, "__self__", None)
-            if isinstance(owner, ModuleHook):
+            if _leaves_by_itself(owner):
                 self._place(owner, handle)
             elif hook is not None and hooks is not None:
                 if not isinstance(hook, _Own):

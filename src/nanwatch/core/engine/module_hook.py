@@ -71,6 +71,8 @@ class ModuleHook:
     """
 
     __slots__ = ("recorder", "deferral", "site", "prefix", "kernels")
+    # core/hooks.py's `HookSet` leaves this hook as it is: it keeps itself out of pickles and deep copies.
+    leaves_pickles_and_copies = True
 
     def __init__(self, recorder: Recording, deferral: Deferral, site: Site, prefix: str, kernels: ExtraKernels) -> None:
         self.recorder, self.deferral, self.site = recorder, deferral, site
@@ -80,7 +82,7 @@ class ModuleHook:
         # `copy.deepcopy(model)` (an EMA copy) copies the modules' hook dicts, and a bound method's object with them:
         # the copy is not watched, and gets no hook of ours (core/hooks.py's `copied_away`), rather than a copy of the
         # recorder and everything it holds.
-        from nanwatch.core.hooks import copied_away  # core/hooks.py imports this module
+        from nanwatch.core.hooks import copied_away
 
         return copied_away(self, memo)
 
