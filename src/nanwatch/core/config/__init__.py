@@ -198,9 +198,11 @@ class WatchConfig(BaseModel):
         "refuse",
         description="Before a checkpoint is written through the framework (Lightning's save_checkpoint, the HF "
         "Trainer's checkpoint saves, Accelerate's save_state, the plain loop's handle.save_checkpoint()), check "
-        'that every weight and optimizer state is finite (one fused check). "refuse": a non-finite checkpoint is '
-        "not written (NonFiniteCheckpoint, naming the tensors and the last checkpoint verified finite); "
-        '"quarantine": the same error, after writing it aside as <path>.nonfinite for inspection; "off": no check.',
+        "that every weight and optimizer state is finite, and that a buffer holds inf/nan only where it did when "
+        'watching began (an additive -inf mask); one fused check. "refuse": a poisoned checkpoint is not written '
+        "(NonFiniteCheckpoint, naming the tensors and the last checkpoint verified finite); "
+        '"quarantine": the same error, after writing it into a nanwatch-quarantine folder outside the folders the '
+        'framework scans or rotates (the error names it), for inspection; "off": no check.',
     )
 
     if not TYPE_CHECKING:  # type checkers keep the signature pydantic's plugin gives: one argument per field
