@@ -49,6 +49,24 @@ def test_after_destroy_process_group_the_watcher_goes_on_and_stops_on_what_the_r
 
 
 @pytest.mark.multiprocess
+def test_a_store_whose_host_left_says_one_warning_and_nothing_of_torchs_client_reaches_stderr(tmp_path: Path) -> None:
+    # Before: the listener's dropped connection and the polled bell's first look each put a C++ stack trace from the
+    # store client on stderr ("recvValue failed ... Exception raised from recvBytes ... frame #0"), and the warning was
+    # a log line, not a NanwatchWarning.
+    (rank0, rank1), stderr = _run("host_leaves", tmp_path)
+    assert rank0["error"] is None
+    assert rank1["store_gone"]
+    assert rank1["error"] is not None
+    assert (rank1["error"]["rank"], rank1["error"]["batch_number"]) == (1, 6)  # what rank 1 saw itself
+    assert rank1["steps_done"] == 6
+    warned = [message for message in rank1["warnings"] if message.startswith("NanwatchWarning")]
+    assert len(warned) == 1, rank1["warnings"]
+    assert "the process group's store failed" in warned[0]
+    for text in ("TCPStore.cpp", "Exception raised from", "frame #", "DistNetworkError"):
+        assert text not in stderr, stderr[-4000:]
+
+
+@pytest.mark.multiprocess
 def test_a_watcher_of_another_model_on_one_rank_shifts_no_key(tmp_path: Path) -> None:
     outcomes, _ = _run("extra", tmp_path)
     for outcome in outcomes:

@@ -13,6 +13,7 @@ import datetime
 import itertools
 import threading
 import time
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,8 +21,9 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._C._distributed_c10d import HashStore
 
-from nanwatch import NonFiniteError, WatchConfig
+from nanwatch import NanwatchWarning, NonFiniteError, WatchConfig
 from nanwatch.core import board as board_module
 from nanwatch.core import listener as listener_module
 from nanwatch.core.board import DetectionBoard, StoreLost, board_prefix
@@ -78,8 +80,10 @@ def _boards(server: Any, count: int, prefix: str) -> list[tuple[DetectionBoard, 
     # Connected side by side: on this machine one local TCP connect in about thirty takes 5 s.
     with concurrent.futures.ThreadPoolExecutor(16) as pool:
         made = list(pool.map(one, range(count)))
-    for board, _ in made:  # every listener connected and blocked in its get, as in a run long under way
+    for board, counted in made:  # every listener connected and blocked in its get, as in a run long under way
         assert getattr(board._bell, "ready", threading.Event()).wait(60) or not isinstance(board._bell, BellListener)
+        assert counted.calls == ["add", "add"]  # attaching: the two counts
+        counted.calls.clear()
     return made
 
 
@@ -183,7 +187,8 @@ def test_a_lost_store_turns_the_agreement_off_with_one_warning_and_the_rank_stop
     board._bell.close()
     board._bell = PolledBell(counted, board._bell.key)  # what a rank without a listener has
     counted.broken = True  # destroy_process_group() on the store's host, or that rank exited
-    assert not board.posted_elsewhere()
+    with pytest.warns(NanwatchWarning, match="the process group's store failed"):
+        assert not board.posted_elsewhere()
     assert not board.posted_elsewhere()
     with pytest.raises(StoreLost):
         board.settle(Detection(1, 1, "train", "frames"))
@@ -253,3 +258,31 @@ def test_closing_ends_the_listener(server: Any) -> None:
     listener.join(5)
     assert not listener._thread.is_alive()
     assert not board.posted_elsewhere()
+
+
+def test_the_store_host_leaving_rings_the_other_bells_gone_and_they_say_one_warning(server: Any) -> None:
+    # The process that hosts the store's server (this one: `server`) rings every other member's bell before its
+    # server goes: their listeners end on a value (a dropped connection would end them with a C++ stack trace).
+    assert board_module._hosts(server)
+    assert not board_module._hosts(HashStore())
+    leaving = DetectionBoard(_client(server), 0, 2, WAIT_S, prefix="nanwatch/gone")
+    counted = Counted(_client(server))
+    staying = DetectionBoard(counted, 1, 2, WAIT_S, prefix="nanwatch/gone")
+    listener = staying._bell
+    assert isinstance(listener, BellListener)
+    leaving._host_exit(True)  # what interpreter exit does
+    listener.join(5)
+    assert listener.rung() == listener_module.GONE
+    calls = len(counted.calls)
+    with pytest.warns(NanwatchWarning, match="the process group's store failed") as warned:
+        staying.posted_elsewhere()
+    assert len(warned) == 1
+    assert staying.lost is not None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once: no second warning
+        assert not staying.posted_elsewhere()
+        with pytest.raises(StoreLost):
+            staying.settle(Detection(1, 1, "train", "frames"))
+        staying.close()
+    assert len(counted.calls) == calls  # nothing more asked of a store that is going
+    leaving.close()

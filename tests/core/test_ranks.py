@@ -61,9 +61,9 @@ class Settling(threading.Thread):
         self.took = time.monotonic() - began
 
 
-def _wait_for_count(store: Any, count: int) -> None:
+def _wait_for_post(store: Any) -> None:
     deadline = time.monotonic() + 10
-    while int(store.add("nanwatch/0/count", 0)) < count:
+    while not store.check(["nanwatch/0/posts"]):
         assert time.monotonic() < deadline, "the other rank never posted"
         time.sleep(0.005)
 
@@ -90,7 +90,7 @@ def test_the_rank_whose_frames_hold_the_inf_is_named_even_when_the_gradients_ran
 
     rank0 = Settling(DetectionBoard(store, 0, 2, WAIT_S), Detection(3, 0, "train", "gradients"))
     rank0.start()
-    _wait_for_count(store, 1)  # rank 0's gradients are on the board first
+    _wait_for_post(store)  # rank 0's gradients are on the board first
     began = time.monotonic()
     watcher.start_batch("train")  # as the HF Trainer adapter does before end_batch(): no verdict yet
     watcher.end_batch()  # held for the optimizer step
@@ -130,7 +130,7 @@ def test_a_held_detection_is_posted_at_the_step_when_another_rank_posts_first(st
 
     rank0 = Settling(DetectionBoard(store, 0, 2, WAIT_S), Detection(3, 0, "train", "gradients"))
     rank0.start()
-    _wait_for_count(store, 1)
+    _wait_for_post(store)
     watcher.start_batch("train")  # micro-batch 3's forward pre-hook: no verdict yet
     model(torch.ones(2, 4))
     with pytest.raises(NonFiniteError) as caught:
@@ -146,10 +146,10 @@ def test_frames_posted_after_gradients_still_win_within_the_wait(store: Any) -> 
     # The gradients rank posts first; the frames rank is descheduled for a while (publishing its report, under load)
     # and posts later, within rank_wait_s: both ranks name the frames rank, whatever the order of posting.
     gradients = Settling(DetectionBoard(store, 0, 2, WAIT_S), Detection(3, 0, "train", "gradients"))
+    frames = Settling(DetectionBoard(store, 1, 2, WAIT_S), Detection(3, 1, "train", "frames"))  # both attached
     gradients.start()
-    _wait_for_count(store, 1)
+    _wait_for_post(store)
     time.sleep(WAIT_S / 4)
-    frames = Settling(DetectionBoard(store, 1, 2, WAIT_S), Detection(3, 1, "train", "frames"))
     frames.start()
     for rank in (gradients, frames):
         rank.join(timeout=3 * WAIT_S)
@@ -160,15 +160,16 @@ def test_a_gradients_only_rank_does_not_decide_early_without_waiting(store: Any)
     # wait=False is for evaluation (ranks need not meet); a gradients-only detection is made at an optimizer step,
     # where the ranks do meet, and is never evidence of where the nan began: it still waits for the others' posts.
     board = DetectionBoard(store, 0, 2, WAIT_S)
+    other = DetectionBoard(store, 1, 2, WAIT_S)  # attached: its post is waited for
     result: list[Detection] = []
     waiting = threading.Thread(
         target=lambda: result.append(board.settle(Detection(3, 0, "train", "gradients"), wait=False)), daemon=True
     )
     waiting.start()
-    _wait_for_count(store, 1)
+    _wait_for_post(store)
     time.sleep(0.1)
     assert not result, "a gradients-only rank decided before the other rank posted"
-    frames = Settling(DetectionBoard(store, 1, 2, WAIT_S), Detection(3, 1, "train", "frames"))
+    frames = Settling(other, Detection(3, 1, "train", "frames"))
     frames.start()
     waiting.join(timeout=3 * WAIT_S)
     frames.join(timeout=3 * WAIT_S)
@@ -177,9 +178,10 @@ def test_a_gradients_only_rank_does_not_decide_early_without_waiting(store: Any)
 
 
 def test_no_rank_waits_unboundedly_when_the_other_never_posts(store: Any) -> None:
-    # Rank 1 died (or waits in a collective): rank 0 decides alone after rank_wait_s, and a rank that saw nothing and
-    # hears nothing gives up after rank_wait_s too.
+    # Rank 1 attached, then died (or waits in a collective): rank 0 decides alone after rank_wait_s, and a rank that saw
+    # nothing and hears nothing gives up after rank_wait_s too.
     alone = Settling(DetectionBoard(store, 0, 2, 0.5), Detection(3, 0, "train", "gradients"))
+    DetectionBoard(store, 1, 2, 0.5)  # never posts
     alone.start()
     alone.join(timeout=10)
     assert alone.verdict == Detection(3, 0, "train", "gradients")
@@ -187,9 +189,42 @@ def test_no_rank_waits_unboundedly_when_the_other_never_posts(store: Any) -> Non
     assert 0.5 <= alone.took < 5
 
     other = HashStore()
+    DetectionBoard(other, 0, 2, 0.5)  # attached, never posts
     silent = Settling(DetectionBoard(other, 1, 2, 0.5), None)
     silent.start()
     silent.join(timeout=10)
     assert isinstance(silent.verdict, TimeoutError)
     assert silent.took is not None
     assert 0.5 <= silent.took < 5
+
+
+def test_a_rank_that_never_attached_or_has_closed_is_not_waited_for(store: Any) -> None:
+    # A watcher on one rank only (an evaluation model): its rank decides and acknowledges at once. A rank that closed
+    # (it finished) no longer counts: the other rank's post completes the count without waiting for it.
+    lonely = Settling(DetectionBoard(HashStore(), 0, 2, 60.0), Detection(2, 0, "train", "gradients"))
+    lonely.start()
+    lonely.join(timeout=30)
+    assert lonely.verdict == Detection(2, 0, "train", "gradients")
+    assert lonely.took is not None
+    assert lonely.took < 10
+
+    finished = DetectionBoard(store, 0, 2, 60.0)
+    stopping = Settling(DetectionBoard(store, 1, 2, 60.0), Detection(4, 1, "train", "frames"))
+    finished.close()
+    stopping.start()
+    stopping.join(timeout=30)
+    assert stopping.verdict == Detection(4, 1, "train", "frames")
+    assert stopping.took is not None
+    assert stopping.took < 10
+
+
+def test_a_rank_that_closes_while_another_waits_completes_the_count_and_decides(store: Any) -> None:
+    waiting = Settling(DetectionBoard(store, 0, 2, 60.0), Detection(4, 0, "train", "gradients"))
+    leaving = DetectionBoard(store, 1, 2, 60.0)
+    waiting.start()
+    _wait_for_post(store)
+    leaving.close()  # its close completes the count: it decides, and rank 0 hears the verdict
+    waiting.join(timeout=30)
+    assert waiting.verdict == Detection(4, 0, "train", "gradients")
+    assert waiting.took is not None
+    assert waiting.took < 10

@@ -4,8 +4,11 @@ Ranks tell each other of a detection through the store every `init_process_group
 nanwatch's own: one would pair with whatever the user's ranks run next). The protocol costs the store nothing while
 no rank detects anything, and a constant number of round trips per rank when one does, however many ranks there are:
 
+- *attach* (every rank, when its watcher is made): `add` -1 to the count of posts and to the count of
+  acknowledgements. Both counts reach 0 once every rank that attached has posted (acknowledged) or closed, so a rank
+  that never attached (a watcher on some ranks only) or has closed (it finished) is never waited for.
 - *post* (a rank that saw inf/nan): `append` its detection to one key, then `add` 1 to the count of posts.
-- *decide* (one rank, whom the count names): the rank whose `add` completed the count, or the first rank to close
+- *decide* (one rank, whom the count names): the rank whose `add` completed the count (0), or the first rank to close
   the count (adding a large constant: a rank that may not wait, as it posts; a rank whose wait ran out with posts
   missing, after the wait). It reads every post in one `get` and writes the verdict into every rank's bell in one
   `multi_set`. Exactly one rank finds the count complete or first closes it, so one verdict is ever written.
@@ -13,25 +16,37 @@ no rank detects anything, and a constant number of round trips per rank when one
 - *acknowledge* (every rank): `add` 1 to the count of ranks that have the verdict; the rank that completes it says
   so, and every rank waits for that (bounded by `wait_s`) before it raises: no rank exits, and no launcher kills the
   others, before every rank has the verdict.
+- *close* (a rank whose watcher ends): `add` 1 to each count this rank has not added to in the current round (it
+  will not post, nor acknowledge); a rank whose close completes the count of posts decides, as a poster would.
 
-So a rank makes 4 round trips per detection, the deciding rank 6 (benchmarks/agreement.py counts them);
-the store's work per detection is O(N). A rank that posted has the verdict within `wait_s` when every rank posts,
-within `2 * wait_s` when some never does, and raises at most `wait_s` after that (the acknowledgements): at most
-`3 * wait_s` in all, never a hang. Every call to the store is guarded: a store that fails (its host rank exited,
-`destroy_process_group()`) turns the agreement off with one warning, and each rank stops on what it saw itself.
+So a rank makes 4 round trips per detection, the deciding rank 6 (benchmarks/agreement.py counts them), and 2 when
+it attaches and 2 when it closes (the last to close up to 4); the store's work per detection is O(N). A rank that
+posted has the verdict within `wait_s` when every rank posts, within `2 * wait_s` when some never does, and raises at
+most `wait_s` after that (the acknowledgements): at most `3 * wait_s` in all, never a hang. Every call to the store
+is guarded: a store that fails (its host rank exited, `destroy_process_group()`) turns the agreement off with one
+`NanwatchWarning`, and each rank stops on what it saw itself. A process that hosts the store's server rings the
+other members' bells with `GONE` before its server goes (at exit, or when its board goes after the process group
+was destroyed), so that their listeners end on a value rather than on a dropped connection, which torch's store
+client would log with a C++ stack trace.
 
-Keys come from what every rank shares: the group's ranks, the watched model's structure (module classes and
-parameter names) and how many boards this process made for that pair, so a watcher of another model on one rank
-only, or a second run of a sweep on other ranks, shifts nothing.
+Keys come from what every rank shares: the launch (torchrun's run id and restart count), the group's ranks, the
+watched model's structure (module classes and parameter names) and how many boards this process made for that pair,
+so a watcher of another model on one rank only, or a second run of a sweep on other ranks, shifts nothing, and a
+restarted attempt never reads what an earlier one wrote (torchrun's agent store outlives its attempts).
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import datetime
 import hashlib
 import itertools
 import logging
+import os
+import socket
 import time
+import weakref
 from collections import defaultdict
 from collections.abc import Iterator
 from typing import Any
@@ -39,7 +54,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from nanwatch.core.listener import CLOSED, Bell, PolledBell, bell_for
+from nanwatch.core.listener import CLOSED, GONE, Bell, PolledBell, bell_for
+from nanwatch.core.log import warn
 from nanwatch.core.ranks import Detection
 
 __all__ = ["DetectionBoard", "StoreLost", "board_prefix", "group_of"]
@@ -48,8 +64,10 @@ _logger = logging.getLogger("nanwatch")
 # Boards made in this process per (group, model structure): every rank makes its boards for a model in one order.
 _generations: defaultdict[str, Iterator[int]] = defaultdict(itertools.count)
 # Added to the count of posts by a rank that closes it (no waiting, or the wait ran out): counts at or above it say
-# the count is closed, and the first rank to close it (the only one that found it below) decides.
+# the count is closed, and the first rank to close it (the only one that found it below) decides. Counts start at
+# minus the ranks that attached, so an open count is below half of it.
 _CLOSED = 1 << 40
+_OPEN_BELOW = _CLOSED // 2
 
 
 class StoreLost(RuntimeError):
@@ -61,8 +79,31 @@ def group_of(model: torch.nn.Module) -> Any:
     return getattr(model, "process_group", None) if hasattr(model, "module") else None
 
 
+def launch_scope() -> str:
+    """The part of the keys that names the launch: torchrun's run id and restart count ("" outside torchrun).
+
+    torchrun's workers share the elastic agent's store, which outlives a failed attempt: the keys of attempt 0 are
+    still there when attempt 1 comes up. Every worker of one attempt has the same restart count (a failure, which is
+    what a verdict makes of every rank, restarts the worker group with the count one higher), so run id + restart
+    count + this process's count of boards (which starts at 0 in every new worker process) is unique per attempt and
+    the same on every rank of it, with no collective and nothing written at attach. A generation counted in the store
+    instead could not be agreed on without one: ranks attach at different times, and an attempt that died
+    half-attached would leave the count between two generations. What this leaves: torchrun counts restarts per
+    agent, and one whose workers were still running when another node's failed (or that restarts them for a change of
+    membership) does not count that restart; its ranks then share no keys with the other nodes' and reuse their own
+    earlier attempt's, which holds no verdict (a verdict fails every rank's worker): they agree among themselves, never
+    wait for the others, and at worst wait out `rank_wait_s` once. Outside torchrun the store is made with the
+    process group and goes with it (a `FileStore` file must not be reused: torch's own rule).
+    """
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    if not run_id:
+        return ""
+    return f"{run_id}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+
+
 def board_prefix(model: torch.nn.Module | None, group_ranks: list[int]) -> str:
-    """The keys' prefix: the group's ranks, the model's structure, and this process's count of such boards."""
+    """The keys' prefix: the launch, the group's ranks, the model's structure, and this process's count of such
+    boards."""
     digest = hashlib.sha1(",".join(map(str, group_ranks)).encode())
     if model is not None:
         for name, module in model.named_modules():
@@ -70,11 +111,13 @@ def board_prefix(model: torch.nn.Module | None, group_ranks: list[int]) -> str:
         for name, _ in model.named_parameters():
             digest.update(f"{name};".encode())
     tag = digest.hexdigest()[:16]
-    return f"nanwatch/{tag}/{next(_generations[tag])}"
+    return f"nanwatch/{launch_scope()}{tag}/{next(_generations[tag])}"
 
 
 class DetectionBoard:
     """The agreement of one watcher's ranks (see the module's docstring for the protocol).
+
+    Making one attaches this rank (two round trips); `close` counts it out.
 
     Args:
         store: the store (`torch.distributed` `Store`) shared by every rank.
@@ -97,7 +140,17 @@ class DetectionBoard:
         self.round = 0
         self.lost: BaseException | None = None
         self.round_trips = 0  # calls this board made to the store (its listener's one get aside)
+        self._pid = os.getpid()
+        self._closed = False
+        self._host_exit = _HostExit(store, self.member, world_size)
         self._start_round(prefix)
+        try:
+            self._attach()
+        except BaseException:
+            self._bell.close()
+            raise
+        _HOST_EXITS.add(self._host_exit)
+        weakref.finalize(self, self._host_exit, False).atexit = False  # at exit: _ring_at_exit
 
     def _start_round(self, prefix: str) -> None:
         self._posts_key = f"{prefix}/posts"
@@ -106,8 +159,15 @@ class DetectionBoard:
         self._acks_key = f"{prefix}/acks"
         self._acked_key = f"{prefix}/acked"
         self._bell_prefix = f"{prefix}/bell/"
+        self._host_exit.bell_prefix = self._bell_prefix
         self._posted = False
+        self._acked = False
         self._bell: Bell = bell_for(self._store, f"{self._bell_prefix}{self.member}")
+
+    def _attach(self) -> None:
+        """Count this rank in, on the round's two counts: they complete only once it posted (acknowledged) or closed."""
+        self._call("add", self._count_key, -1)
+        self._call("add", self._acks_key, -1)
 
     def next_round(self) -> None:
         """Settle the next detection on fresh keys (after a verdict every rank acted on without stopping: a skipped
@@ -116,6 +176,10 @@ class DetectionBoard:
         self.round += 1
         if self.lost is None:
             self._start_round(f"{self._prefix}/round{self.round}")
+            try:
+                self._attach()
+            except Exception as error:
+                self._lose(error)
 
     @classmethod
     def for_model(
@@ -152,6 +216,9 @@ class DetectionBoard:
             return False
         if value is None and getattr(self._bell, "listening", True) is False:
             self._fall_back()
+        if value == GONE:
+            self._lose_to_host()
+            return False
         return value is not None and value != CLOSED
 
     # ------------------------------------------------------------------------------------------ settling
@@ -191,7 +258,7 @@ class DetectionBoard:
             # poster's count can then read as complete.
             added = 1 if wait else 1 + _CLOSED
             count = int(self._call("add", self._count_key, added))
-            if count == self.world_size or (not wait and count - added < _CLOSED):
+            if count == 0 or (not wait and count - added < _OPEN_BELOW):
                 return self._decide()
         heard = self._hear(deadline)
         if heard is not None:
@@ -199,9 +266,9 @@ class DetectionBoard:
         # The wait ran out with posts missing (a rank died, or waits in a collective): the first rank to close the
         # count decides from what was posted, unless every rank had posted (then the last poster decides), and
         # every rank still waiting hears it.
-        count = int(self._call("add", self._count_key, _CLOSED))
-        if count - _CLOSED < _CLOSED and count - _CLOSED != self.world_size:
-            if count - _CLOSED == 0:
+        before = int(self._call("add", self._count_key, _CLOSED)) - _CLOSED
+        if before < _OPEN_BELOW and before != 0:
+            if not self._posted and not self._call("check", [self._posts_key]):
                 raise TimeoutError(f"no rank posted a detection within {self.wait_s:g} s")
             return self._decide()
         heard = self._hear(time.monotonic() + self.wait_s)
@@ -216,13 +283,17 @@ class DetectionBoard:
         if value is None and getattr(self._bell, "listening", True) is False:  # it failed while waiting
             self._fall_back()
             value = self._bell.wait(deadline - time.monotonic())
+        if value == GONE:
+            self._lose_to_host()
+        if self.lost is not None:
+            raise StoreLost(f"the store failed: {self.lost!r}")
         if value is None or value == CLOSED:
             return None
         return Detection.decode(value)
 
     def _decide(self) -> Detection:
         """Read every post (one get), pick the verdict, write it into every rank's bell (one multi_set). Only one rank
-        of a board ever gets here: the count says which (`_settle`)."""
+        of a board ever gets here: the count says which (`_settle`, `close`)."""
         raw = self._call("get", self._posts_key)
         text = raw.decode() if isinstance(raw, bytes) else str(raw)
         posted = [Detection.decode(entry) for entry in text.split(";") if entry.strip()]
@@ -232,21 +303,40 @@ class DetectionBoard:
         return Detection.decode(verdict)
 
     def _acknowledge(self) -> None:
-        """Count this rank as having the verdict; wait (up to `wait_s`) until every rank does, so that no rank
-        exits, and no launcher kills the others, before each has it. A failure here changes no verdict."""
+        """Count this rank as having the verdict; wait (up to `wait_s`) until every rank that attached and has not
+        closed does, so that no rank exits, and no launcher kills the others, before each has it. A failure here
+        changes no verdict."""
+        if self._acked:
+            return
+        self._acked = True
         try:
-            if int(self._call("add", self._acks_key, 1)) >= self.world_size:
+            if int(self._call("add", self._acks_key, 1)) >= 0:
                 self._call("set", self._acked_key, "1")
             else:
                 self._call("wait", [self._acked_key], datetime.timedelta(seconds=self.wait_s))
-        except Exception:  # a rank that never acknowledges (it finished, or died): raise anyway
+        except Exception:  # a rank that never acknowledges (it died): raise anyway
             return
 
     # ------------------------------------------------------------------------------------------ closing
 
     def close(self) -> None:
-        """Stop listening: the listener thread, if any, ends (nothing else hears this rank's bell)."""
+        """Stop listening (the listener thread, if any, ends) and count this rank out: the other ranks no longer wait
+        for its post or its acknowledgement. A close that completes the count of posts decides for those waiting."""
         self._bell.close()
+        if self._closed or self.lost is not None or os.getpid() != self._pid:
+            return
+        self._closed = True
+        try:
+            if not self._posted:
+                self._posted = True
+                if int(self._call("add", self._count_key, 1)) == 0 and self._call("check", [self._posts_key]):
+                    self._decide()
+            if not self._acked:
+                self._acked = True
+                if int(self._call("add", self._acks_key, 1)) >= 0:
+                    self._call("set", self._acked_key, "1")
+        except Exception as error:
+            self._lose(error)
 
     # ------------------------------------------------------------------------------------------ the store
 
@@ -255,12 +345,114 @@ class DetectionBoard:
         return getattr(self._store, name)(*args)
 
     def _fall_back(self) -> None:
+        """The listener ended without a value: poll the bell instead, unless the store's server is gone (a poll would
+        only fail, and torch's client would log each failure with a C++ stack trace)."""
+        failure = getattr(self._bell, "failure", None)
+        if not _reachable(self._store):
+            self._lose(failure if failure is not None else ConnectionError("the store's server is gone"))
+            return
         self._bell = PolledBell(self._store, self._bell.key)
+
+    def _lose_to_host(self) -> None:
+        self._lose(ConnectionError("the rank that hosts the store left, and its store with it"))
 
     def _lose(self, error: BaseException) -> None:
         if self.lost is None:
             self.lost = error
-            _logger.warning(
+            warn(
                 f"nanwatch: the process group's store failed ({error!r}): ranks no longer agree on detections, and "
                 "each rank stops on what it sees itself"
             )
+
+
+# ---------------------------------------------------------------------------------------- the store's host leaving
+
+
+class _HostExit:
+    """What a board leaves behind for when its store's server goes: in the process that hosts it, the other
+    members' bells are rung with `GONE` (each only if not rung yet), so their listeners end on a value, not on a
+    dropped connection. Called with `exiting=True` at interpreter exit, with False when the board goes (then only if
+    the process group no longer uses this store: otherwise the server lives on)."""
+
+    def __init__(self, store: Any, member: int, world_size: int) -> None:
+        self.store: Any = store
+        self.member = member
+        self.world_size = world_size
+        self.bell_prefix = ""
+        self.pid = os.getpid()
+
+    def __call__(self, exiting: bool) -> None:
+        store, self.store = self.store, None
+        if store is None or os.getpid() != self.pid:  # done already, or a forked child (its parent's connection)
+            return
+        with contextlib.suppress(Exception):
+            if (exiting or not _serves_default_group(store)) and _hosts(store):
+                for member in range(self.world_size):
+                    if member != self.member:
+                        store.compare_set(f"{self.bell_prefix}{member}", "", GONE)
+
+
+_HOST_EXITS: weakref.WeakSet[_HostExit] = weakref.WeakSet()
+
+
+def _tcp_store(store: Any) -> Any:
+    """The TCPStore under `store`'s prefixes, or None (an in-memory or file store: no server of its own)."""
+    tcp_store = getattr(dist, "TCPStore", None)  # absent where torch.distributed is not built in
+    for _ in range(8):
+        if tcp_store is not None and isinstance(store, tcp_store):
+            return store
+        store = getattr(store, "underlying_store", None)
+        if store is None:
+            return None
+    return None
+
+
+def _serves_default_group(store: Any) -> bool:
+    """Whether the default process group still uses `store`'s server (it then lives on, whatever this board does)."""
+    ours = _tcp_store(store)
+    if ours is None or not (dist.is_available() and dist.is_initialized()):
+        return False
+    default = _tcp_store(dist.distributed_c10d._get_default_store())
+    return default is not None and (default.host, default.port) == (ours.host, ours.port)
+
+
+def _hosts(store: Any) -> bool:
+    """Whether this process runs `store`'s server: a socket of its own listens on the store's port (Linux's /proc;
+    False where it cannot tell)."""
+    base = _tcp_store(store)
+    if base is None:
+        return False
+    own = set()
+    with contextlib.suppress(OSError):
+        for fd in os.listdir("/proc/self/fd"):
+            with contextlib.suppress(OSError):
+                own.add(os.readlink(f"/proc/self/fd/{fd}"))
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError), open(table, encoding="ascii") as lines:
+            for line in list(lines)[1:]:
+                fields = line.split()
+                listening = len(fields) > 9 and fields[3] == "0A"  # state LISTEN
+                if listening and int(fields[1].rsplit(":", 1)[1], 16) == base.port and f"socket:[{fields[9]}]" in own:
+                    return True
+    return False
+
+
+def _reachable(store: Any) -> bool:
+    """Whether `store`'s server still takes connections (a plain TCP connect, which the server does not log; True
+    for a store with no server of its own)."""
+    base = _tcp_store(store)
+    if base is None:
+        return True
+    try:
+        with socket.create_connection((base.host, base.port), timeout=2.0):
+            return True
+    except OSError:
+        return False
+
+
+@atexit.register
+def _ring_at_exit() -> None:
+    """Before the interpreter goes (and the server it may host with it), ring the other members' bells (`_HostExit`).
+    Registered after core/listener.py's `_close_at_exit`, so it runs before that ends this process's listeners."""
+    for host_exit in list(_HOST_EXITS):
+        host_exit(True)

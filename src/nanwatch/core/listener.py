@@ -7,7 +7,9 @@ is written: the training loop reads a Python attribute, and the store sees nothi
 cannot be cloned (an in-memory `HashStore`, a store of another kind), or the listener's connection fails, a
 `PolledBell` looks at the bell from the training thread instead, at most once per `POLL_INTERVAL_S`.
 
-Closing rings the rank's own bell with `CLOSED`, which ends the thread.
+Closing rings the rank's own bell with `CLOSED`, which ends the thread. A process that hosts the store's server rings
+the other ranks' bells with `GONE` before its server goes (core/board.py): their listeners end on a value, where a
+dropped connection would end them with a C++ stack trace from torch's store client on stderr.
 """
 
 from __future__ import annotations
@@ -21,9 +23,10 @@ import time
 import weakref
 from typing import Any
 
-__all__ = ["CLOSED", "POLL_INTERVAL_S", "Bell", "BellListener", "PolledBell", "bell_for"]
+__all__ = ["CLOSED", "GONE", "POLL_INTERVAL_S", "Bell", "BellListener", "PolledBell", "bell_for"]
 
 CLOSED = "closed"
+GONE = "gone"  # the rank that hosts the store is leaving, and its store with it
 # The fallback's pace: at most one look at the store per second and rank (a thousand ranks: a thousand ops a second,
 # under 1 % of what one TCPStore server does on one core).
 POLL_INTERVAL_S = 1.0
@@ -39,7 +42,7 @@ class Bell:
     key: str
 
     def rung(self) -> str | None:
-        """The bell's value once written (a verdict, or `CLOSED`), else None."""
+        """The bell's value once written (a verdict, `CLOSED` or `GONE`), else None."""
         raise NotImplementedError
 
     def wait(self, timeout_s: float) -> str | None:

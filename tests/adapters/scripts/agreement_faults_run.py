@@ -4,12 +4,15 @@ of the scenarios tests/adapters/test_agreement_faults.py runs:
 - destroy: three clean DDP steps, then `destroy_process_group()` on both ranks and rank 0 exits (the store goes with
   it); rank 1 trains on under the same watcher, and its forward is made to overflow at micro-batch 6: it stops on what
   it saw itself, and nothing of nanwatch's fails before that.
+- host_leaves: as destroy, but rank 1 goes on only once rank 0's store no longer takes connections (and its bell has
+  the news): rank 1 stops on what it saw itself at micro-batch 6, says so in exactly one NanwatchWarning (recorded),
+  and nothing of torch's store client reaches stderr.
 - extra: rank 1 makes a watcher of another model first (an evaluation helper, say); rank 1's forward overflows at
   micro-batch 3 of the DDP model: both ranks raise the same error, naming rank 1, without waiting out rank_wait_s.
 - listener_dies: rank 1's listener fails as it starts (its connection dropped), so rank 1 polls its bell; rank 0's
   forward overflows at micro-batch 3: both ranks raise the same error, naming rank 0.
-- two_models: each rank trains a model of its own (no DDP, different models); rank 1's overflows at micro-batch 3:
-  rank 1 stops, rank 0 trains to the end.
+- two_models: each rank trains a model of its own (no DDP, models of different structures); rank 1's overflows at
+  micro-batch 3: rank 1 stops (at once: no other rank watches its model), rank 0 trains to the end.
 
     python agreement_faults_run.py SCENARIO OUT_DIR PORT
 Each rank writes OUT_DIR/outcome-rank{R}.json.
@@ -19,9 +22,11 @@ from __future__ import annotations
 
 import datetime
 import json
+import socket
 import sys
 import time
 import traceback
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +88,8 @@ def _bell_of_last_watcher() -> Any:
 
 def _model(width: int = 4) -> tuple[nn.Module, Blowup]:
     blowup = Blowup()
+    if width != 4:  # another model: another structure (keys come from module classes and names, not from shapes)
+        return nn.Sequential(nn.Linear(4, width), blowup, nn.ReLU(), nn.Linear(width, 1)), blowup
     return nn.Sequential(nn.Linear(4, width), blowup, nn.Linear(width, 1)), blowup
 
 
@@ -104,6 +111,44 @@ def _destroy_then_train(rank: int, record: dict[str, Any]) -> None:
         _step(model, optimizer, handle, record, step, armed=(blowup, step == 6))
 
 
+def _takes_connections(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=2.0):
+            return True
+    except OSError:
+        return False
+
+
+def _host_leaves(rank: int, record: dict[str, Any], port: int) -> None:
+    """One watcher across the end of the process group, whose store goes with rank 0's process."""
+    model, blowup = _model()
+    ddp = DistributedDataParallel(model)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    handle = nanwatch.watch(ddp, optimizer=optimizer, rank_wait_s=WAIT_S, report_dir=None)
+    for step in range(3):
+        _step(ddp, optimizer, handle, record, step, armed=(blowup, False))
+    dist.barrier()
+    dist.destroy_process_group()
+    if rank == 0:
+        _LAST.append(handle)  # still open as the process exits: the store goes at exit
+        return
+    _LAST.append(handle)
+    deadline = time.monotonic() + 60
+    while _takes_connections(port) and time.monotonic() < deadline:  # rank 0's process and its store are gone
+        time.sleep(0.05)
+    while _bell_of_last_watcher().rung() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    record["store_gone"] = not _takes_connections(port)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            for step in range(3, 10):  # the inner model from now on, still watched by the same handle
+                _step(model, optimizer, handle, record, step, armed=(blowup, step == 6))
+        finally:
+            handle.close()
+            record["warnings"] = [f"{w.category.__name__}: {w.message}" for w in caught]
+
+
 def run(rank: int, scenario: str, out: Path, port: int) -> None:
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60)
@@ -113,6 +158,8 @@ def run(rank: int, scenario: str, out: Path, port: int) -> None:
     try:
         if scenario == "destroy":
             _destroy_then_train(rank, record)
+        elif scenario == "host_leaves":
+            _host_leaves(rank, record, port)
         elif scenario == "extra":
             if rank == 1:
                 helper = nn.Sequential(nn.Conv1d(1, 1, 3))

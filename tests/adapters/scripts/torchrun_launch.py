@@ -14,8 +14,11 @@ SCRIPTS = Path(__file__).parent
 _FAILED_WORKER = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank:\s*\d+\)\s*\n\s*exitcode\s*:\s*(-?\d+)")
 
 
-def run_torchrun(script: str, *args: str, timeout: float = 150) -> subprocess.CompletedProcess[str]:
-    """`torchrun --standalone --nproc_per_node 2 SCRIPTS/script args...` (a free rendezvous port, gloo on the CPU)."""
+def run_torchrun(
+    script: str, *args: str, timeout: float = 150, launcher_args: tuple[str, ...] = ()
+) -> subprocess.CompletedProcess[str]:
+    """`torchrun --standalone --nproc_per_node 2 [launcher_args] SCRIPTS/script args...` (a free rendezvous port, gloo
+    on the CPU)."""
     command = [
         sys.executable,
         "-m",
@@ -23,6 +26,7 @@ def run_torchrun(script: str, *args: str, timeout: float = 150) -> subprocess.Co
         "--standalone",
         "--nproc_per_node",
         "2",
+        *launcher_args,
         str(SCRIPTS / script),
         *args,
     ]
