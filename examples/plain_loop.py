@@ -72,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
                 # Under DDP, gradients are all-reduced only on the last micro-batch of each optimizer step.
                 with contextlib.nullcontext() if last or ddp is None else ddp.no_sync():
                     prediction = trained(inputs[rows].half())
-                    loss = (prediction.float() - targets[rows]).abs().mean() / ACCUMULATION
+                    # Computed outside the model: handed over, so nanwatch checks it as well.
+                    loss = handle.watch_loss((prediction.float() - targets[rows]).abs().mean() / ACCUMULATION)
                     loss.backward()
                 if last:
                     optimizer.step()  # nanwatch checks (and agrees across ranks) here, before the weights change

@@ -22,6 +22,7 @@ import torch
 
 from nanwatch.core.config import WatchConfig
 from nanwatch.core.features.culprit import culprit_section, find_culprit
+from nanwatch.core.features.headroom import HeadroomMonitor
 from nanwatch.core.formats.files import atomic_write
 from nanwatch.core.formats.replay_file import load_replay_file
 from nanwatch.core.frames import ResolvedFrame, counter_name, resolve
@@ -34,7 +35,7 @@ from nanwatch.core.runstate import (
 )
 from nanwatch.core.stats import registry
 from nanwatch.core.watcher import Watcher
-from nanwatch.errors import ReplayError
+from nanwatch.errors import ConfigError, ReplayError
 
 __all__ = [
     "ModelSource",
@@ -49,6 +50,8 @@ __all__ = [
 
 ModelSource: TypeAlias = torch.nn.Module | Callable[[], torch.nn.Module] | str
 _MAX_LISTED = 10  # names listed per kind of mismatch; the rest are counted
+# The captured config's fields that the report's headroom section depends on.
+_HEADROOM_FIELDS = ("headroom_warn_fraction", "target_dtype")
 
 
 # ------------------------------------------------------------------------------------------------ the model
@@ -418,7 +421,8 @@ def _replay(
     path: Path, model: ModelSource, device: str | torch.device | None, max_frames_to_save: int | None, trusted: bool
 ) -> ReplayResult:
     data = load_replay_file(path, trusted=trusted)
-    # Only this field of the stored config matters here; read alone, a file from a nanwatch with more fields works.
+    # Only this field of the stored config matters here (and the headroom ones, below), each read alone: a file from
+    # a nanwatch with more fields works.
     stored = data["config"].get("max_frames_to_save")
     frames_to_save = max_frames_to_save if max_frames_to_save is not None else stored if isinstance(stored, int) else 21
     if frames_to_save < 1:
@@ -473,6 +477,13 @@ def _replay(
         up_to_first = report_of(resolved[: first + 1]).to_dict()["frames"]
         differences = _compare(original, up_to_first, batch_number, phase)
         report = report_of(resolved[max(0, first + 1 - frames_to_save) : first + 1])
+        # And the section HeadroomMonitor.annotate gives it, under the headroom settings of the capture.
+        try:
+            headroom = WatchConfig(**{key: data["config"][key] for key in _HEADROOM_FIELDS if key in data["config"]})
+        except ConfigError:  # a value this nanwatch does not take: the report goes without the section
+            headroom = WatchConfig(headroom_warn_fraction=None)
+        if HeadroomMonitor.wanted(headroom):
+            report = HeadroomMonitor(headroom).with_findings(report, resolved)
     return ReplayResult(
         path=path,
         model_class=data["model_class"],

@@ -88,7 +88,16 @@ def test_gpt2_fp16_names_the_linear_whose_output_overflowed_not_its_parents() ->
     # Its parents (h.1.mlp, h.1, the model) return the same inf later: they only passed it on.
     assert error.module_name == "h.1.mlp.c_fc"
     assert str(culprit) in str(error)
-    assert error.report.endswith("\n\n" + culprit.message)
+    # After the frames and a blank line: the culprit line, then the values the same check saw near float16's max.
+    footer = error.report.rsplit("\n\n", 1)[1].split("\n")
+    assert footer[:2] == [
+        culprit.message,
+        "numbers near their dtype's limits in the frames checked with this detection (batch_number=0):",
+    ]
+    assert all(line.startswith("  ") for line in footer[2:])
+    assert any(
+        line.startswith(f"  h.1.mlp.c_fc (Conv1D) weight: float16 abs max {weight_max:.2e}, ") for line in footer
+    )
 
 
 def test_t5_dropout_that_scales_6e4_past_the_fp16_max_is_the_culprit() -> None:
@@ -243,7 +252,11 @@ def test_culprit_travels_in_the_error_the_json_and_the_text(tmp_path: Path) -> N
     assert document["culprit"]["kind"] == "produced"
     assert document["culprit"]["module"] == "second.fc"
     text = (tmp_path / "nanwatch-report-rank0-batch0.txt").read_text()
-    assert text.endswith("\n\n" + culprit.message + "\n")
+    assert text.endswith(
+        "\n\n" + culprit.message + "\n"
+        "numbers near their dtype's limits in the frames checked with this detection (batch_number=0):\n"
+        "  second.fc (Linear) weight: float32 abs max 1.00e+38, headroom 3.4x (1.8 bits) below its max 3.40e+38\n"
+    )
     # The JSON Lines twin carries it too, so `nanwatch show` prints the same text.
     records = [json.loads(line) for line in (tmp_path / "nanwatch-report-rank0-batch0.jsonl").read_text().splitlines()]
     assert {record["report_culprit"] for record in records} == {culprit.message}

@@ -3,8 +3,12 @@ reduction, read with the check's one host read), whatever the optimizer and when
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
+
 import pytest
 import torch
+import torch.nn.functional as F
 from tests.models import InfInBackward, NanInBackward
 from torch import nn
 
@@ -58,7 +62,7 @@ def test_a_nan_born_in_backward_is_said_to_be_born_there_not_in_the_first_module
     model = nn.Sequential(nn.Sequential(nn.Linear(3, 3)), fault(), nn.Linear(3, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     with watch(model, optimizer=optimizer) as handle:
-        model(torch.ones(2, 3)).sum().backward()
+        handle.watch_loss(model(torch.ones(2, 3)).sum()).backward()  # the loss is recorded, and finite
         with pytest.raises(NonFiniteError) as info:
             optimizer.step()
         handle.close()
@@ -66,10 +70,83 @@ def test_a_nan_born_in_backward_is_said_to_be_born_there_not_in_the_first_module
     message = str(error)
     assert "first in module" not in message
     assert "in the gradients about to be applied (first: '0.0.weight')" in message
-    said = "every forward value recorded was finite: the inf/nan appeared in backward. watch_gradients=True"
+    said = (
+        "every forward value recorded, the loss handed to watch_loss included, was finite: the inf/nan appeared in "
+        "backward. watch_gradients=True"
+    )
     assert said in message
     assert said[0].upper() + said[1:] in error.report  # the report says it too, after the gradients' line
     assert error.report.index("non-finite gradients about to be applied") < error.report.index("Every forward value")
+
+
+NOT_RECORDED = (
+    "every forward value recorded was finite, and no loss was handed to watch_loss: the inf/nan may have been born "
+    "in a loss computed outside the watched modules (never recorded) or in backward. handle.watch_loss(loss) "
+    "before loss.backward() records such a loss"
+)
+
+
+def _overflowing_losses() -> dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]:
+    return {
+        "scaled": lambda out, target: (out * 1e30).pow(2).sum(),  # float32 overflows past 3.4e38
+        "functional fp16": lambda out, target: F.mse_loss(out.half() * 1e3, target.half()),  # past 65504
+    }
+
+
+@pytest.mark.parametrize("loss_name", list(_overflowing_losses()))
+def test_a_loss_that_overflows_outside_the_model_is_not_said_to_be_born_in_backward(loss_name: str) -> None:
+    # A plain loop that computes its loss outside the model and does not hand it over: every forward frame is
+    # finite, the loss is inf, and so are the gradients. Before, the report said "the inf/nan appeared in backward"
+    # and pointed at watch_gradients alone; nanwatch never looked at the loss.
+    loss_fn = _overflowing_losses()[loss_name]
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    inputs, targets = torch.randn(3, 4), torch.zeros(3, 2)
+    before = _weights(model)
+    losses = []
+
+    def train() -> None:
+        with watch(model, optimizer=optimizer) as handle:
+            for _ in range(2):
+                loss = loss_fn(model(inputs), targets)
+                losses.append(loss.item())
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                handle.step()
+
+    with pytest.raises(NonFiniteError) as info:
+        train()
+    assert _same(model, before)
+    error = info.value
+    assert len(losses) == 1
+    assert not math.isfinite(losses[0])
+    assert NOT_RECORDED in str(error)
+    assert NOT_RECORDED[0].upper() + NOT_RECORDED[1:] in error.report
+    assert "the inf/nan appeared in backward" not in str(error) + error.report
+
+
+@pytest.mark.parametrize("loss_name", list(_overflowing_losses()))
+def test_a_loss_handed_to_watch_loss_is_named_as_where_the_inf_was_born(loss_name: str) -> None:
+    loss_fn = _overflowing_losses()[loss_name]
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def train() -> None:
+        with watch(model, optimizer=optimizer) as handle:
+            loss = handle.watch_loss(loss_fn(model(torch.randn(3, 4)), torch.zeros(3, 2)))
+            loss.backward()
+            optimizer.step()
+
+    with pytest.raises(NonFiniteError) as info:
+        train()
+    error = info.value
+    assert error.module_name == "(loss)"
+    assert "first non-finite value produced by the loss, computed outside the watched modules" in str(error)
+    assert "watch_loss" not in str(error)  # nothing to advise: the loss was recorded
+    assert "backward" not in str(error)
 
 
 def test_a_micro_batch_that_was_not_watched_is_not_said_to_have_a_finite_forward() -> None:

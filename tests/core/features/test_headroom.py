@@ -164,9 +164,15 @@ def test_a_batch_that_goes_inf_is_reported_not_warned_about(nanwatch_log: pytest
         model[1].weight.fill_(2.0)
     with nanwatch.watch(model) as handle:
         model(_column([6e4], torch.float16))  # 6e4 is within 1.1x of the max; doubled it is inf
-        with pytest.raises(NonFiniteError):
+        with pytest.raises(NonFiniteError) as info:
             handle.step()
     assert _messages(nanwatch_log) == []
+    # Not a warning of its own, but in the report: how the inf came about (the Linear's output, equal to its input in
+    # every number, is named once, where it was first recorded).
+    assert info.value.report.endswith(
+        "\nnumbers near their dtype's limits in the frames checked with this detection (batch_number=0):\n"
+        "  0 (Linear) input[0]: float16 abs max 6.00e+04, headroom 1.09x (0.1 bits) below its max 6.55e+04"
+    )
 
 
 def test_many_tensors_at_once_show_ten_lines_and_a_count(nanwatch_log: pytest.LogCaptureFixture) -> None:
@@ -360,3 +366,57 @@ def test_config_fields_are_validated() -> None:
         WatchConfig.from_dict({"target_dtype": "float64"})
     for name in TARGET_DTYPES:
         assert WatchConfig(target_dtype=name).target_dtype == name
+
+
+# ------------------------------------------------------------------------------ in the report, whatever detects
+
+
+class _Regressor(nn.Module):
+    """A float16 regressor whose output is large enough for float16 (8.4e3), but not squared (7e7)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 2)
+        with torch.no_grad():
+            self.body.weight.fill_(0.25)
+            self.body.bias.zero_()
+            self.head.weight.fill_(2100.0)
+            self.head.bias.zero_()
+        self.half()
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(features))
+
+
+NEAR_HEAD = "numbers near their dtype's limits in the frames checked with this detection (batch_number=0):"
+HEAD_LINE = "  head (Linear) output: float16 abs max 8.40e+03, headroom 7.8x (3.0 bits) below its max 6.55e+04"
+
+
+@pytest.mark.parametrize("hand_over", [True, False], ids=["watch_loss", "no watch_loss"])
+def test_the_value_near_the_limit_that_made_the_loss_overflow_is_in_the_report(hand_over: bool, tmp_path: Path) -> None:
+    # The loss, computed outside the model in float16, squares an output of 8.4e3: inf. Handed over, the loss's own
+    # frame is inf and the detection is a frame's; before, the headroom warning about the output was never given,
+    # since a batch holding inf/nan skipped it, and the report said nothing of it either. Not handed over, the guard
+    # stops the step on the gradients: the warning is logged, and now the report holds it too.
+    model = _Regressor()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    features, targets = torch.ones(3, 4, dtype=torch.float16), torch.zeros(3, 2, dtype=torch.float16)
+
+    def train() -> None:
+        with nanwatch.watch(model, optimizer=optimizer, report_dir=tmp_path) as handle:
+            loss = nn.functional.mse_loss(model(features), targets)
+            if hand_over:
+                loss = handle.watch_loss(loss)
+            loss.backward()
+            optimizer.step()
+
+    with pytest.raises(NonFiniteError) as info:
+        train()
+    error = info.value
+    assert error.module_name == ("(loss)" if hand_over else "body")  # the loss, or the first non-finite gradient
+    assert f"\n{NEAR_HEAD}\n{HEAD_LINE}" in error.report
+    written = json.loads((tmp_path / "nanwatch-report-rank0-batch0.json").read_text(encoding="utf-8"))
+    (finding,) = written["headroom"]
+    assert (finding["kind"], finding["module_name"], finding["label"]) == ("headroom", "head", "output")
+    assert finding["line"] == HEAD_LINE.strip()

@@ -47,6 +47,7 @@ class GradientGuard(Feature):
         self._launched: _Launched | None = None
         self._screened: _Launched | None = None
         self._plans = _Plans()
+        self._loss_batch: tuple[str, int] | None = None  # the micro-batch whose loss was handed to watch_loss last
 
     def attach(self, ctx: EngineContext, modules: Sequence[tuple[str, torch.nn.Module]]) -> None:
         named = ctx.model.named_parameters(remove_duplicate=False)
@@ -55,6 +56,9 @@ class GradientGuard(Feature):
     def close(self, ctx: EngineContext) -> None:
         self._launched = self._screened = None  # they hold the parameters: a closed watcher lets the model go
         self._plans = _Plans()
+
+    def on_loss(self, ctx: EngineContext, loss: torch.Tensor) -> None:
+        self._loss_batch = (ctx.phase, ctx.current_batch)
 
     def on_optimizer_step(
         self, ctx: EngineContext, stage: OptimizerStage, optimizer: torch.optim.Optimizer | None
@@ -115,7 +119,10 @@ class GradientGuard(Feature):
         lines = [line]
         headline = f" in the gradients about to be applied (first: {bad[0][0]!r})"
         if ctx.frames_finite and ctx.config.mode == "full":  # no frame of this check holds inf/nan
-            note = backward_note(ctx.config.watch_gradients)
+            # The loss is one of the values recorded when this micro-batch's loss was handed to watch_loss (its frame
+            # was in this check or an earlier one of the micro-batch, finite either way).
+            loss_recorded = self._loss_batch == (ctx.phase, ctx.last_batch)
+            note = backward_note(ctx.config.watch_gradients, loss_recorded=loss_recorded)
             lines.append(note[0].upper() + note[1:] + ".")
             headline += f"; {note}"
         # The module owning the first non-finite gradient in the optimizer's order: where it is, not where it began.
@@ -126,13 +133,22 @@ class GradientGuard(Feature):
         return self._names.get(id(param), f"(parameter {index} of the optimizer, outside the watched model)")
 
 
-def backward_note(watch_gradients: bool) -> str:
+def backward_note(watch_gradients: bool, *, loss_recorded: bool = True) -> str:
     """Where inf/nan that only the gradients about to be applied hold came from, when every frame recorded (full
-    mode) was finite; and, without `watch_gradients`, the option that shows where."""
+    mode) was finite; and, without `watch_gradients`, the option that shows where. `loss_recorded`: the micro-batch's
+    loss was handed to `watch_loss` (so it is among the finite values); otherwise a loss computed outside the watched
+    modules was never looked at, and may be where the inf/nan was born."""
+    show_backward = "watch_gradients=True records the backward too, and names the module where it first appeared"
+    if not watch_gradients and not loss_recorded:
+        return (
+            "every forward value recorded was finite, and no loss was handed to watch_loss: the inf/nan may have been "
+            "born in a loss computed outside the watched modules (never recorded) or in backward. "
+            f"handle.watch_loss(loss) before loss.backward() records such a loss; {show_backward}"
+        )
     if not watch_gradients:
         return (
-            "every forward value recorded was finite: the inf/nan appeared in backward. "
-            "watch_gradients=True records the backward too, and names the module where it first appeared"
+            "every forward value recorded, the loss handed to watch_loss included, was finite: the inf/nan appeared "
+            f"in backward. {show_backward}"
         )
     return (
         "every value recorded, forward and backward, was finite: the inf/nan appeared in the gradients after the "

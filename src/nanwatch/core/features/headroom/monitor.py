@@ -7,9 +7,11 @@ engine-facing part: the flags added to the check's read (`screen`), the look at 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -19,10 +21,9 @@ from nanwatch.core.events import EngineContext, Feature
 from nanwatch.core.features.headroom.findings import Finding, FindingKind, badness
 from nanwatch.core.features.headroom.readback import read_counts, read_floats, unique_measurements
 from nanwatch.core.features.headroom.run_summary import summary_text
-from nanwatch.core.frames import Entry, Frame, counter_name
-from nanwatch.core.report import Report
+from nanwatch.core.frames import Entry, Frame, ResolvedFrame, counter_name
+from nanwatch.core.report import Report, ReportSection
 from nanwatch.core.stats.limits import Limits, dtype_name, limits_of, round_up, target_limits
-from nanwatch.core.stats.measure import Measurement
 from nanwatch.core.stats.underflow import EXCESS_INDEX, UNDERFLOW
 
 __all__ = ["HeadroomMonitor", "MAX_LINES"]
@@ -57,6 +58,9 @@ class HeadroomMonitor(Feature):
         self._thresholds: dict[torch.dtype, float] = {}
         self._largest: dict[torch.device, torch.Tensor] = {}  # target set: the largest abs max seen, on the device
         self._summarised = 0
+        # The findings of the check under way: None until `review` looked at its numbers (it does only when a flag
+        # tripped and no frame holds inf/nan); kept for `judge`, which puts them into that check's report.
+        self._checked: list[Finding] | None = None
 
     @staticmethod
     def wanted(config: WatchConfig) -> bool:
@@ -101,6 +105,7 @@ class HeadroomMonitor(Feature):
         self, ctx: EngineContext, pending: Sequence[Frame], maxima: Mapping[tuple[Any, Any], torch.Tensor]
     ) -> list[torch.Tensor]:
         """Flags that trip when an abs max reaches a threshold (or is inf/nan), or a tensor underflows too much."""
+        self._checked = None
         if not self.active or not maxima:
             return []
         self.checks += 1
@@ -132,6 +137,33 @@ class HeadroomMonitor(Feature):
 
     def review(self, ctx: EngineContext, pending: Sequence[Frame]) -> Report | None:
         """A flag tripped and nothing is inf/nan: read the numbers, and warn about what came close."""
+        self._checked = self._findings(pending)
+        self._record(self._checked)
+        return None
+
+    def annotate(self, ctx: EngineContext, report: Report, resolved: Sequence[ResolvedFrame], first: int) -> Report:
+        """A frame holds inf/nan (so `review` did not run): the checked frames' values near their dtype's limits,
+        read back already, go into the report (no warning of their own: the report is logged). Often how the inf/nan
+        came about, whatever made the detection."""
+        if not self.active:
+            return report
+        return self.with_findings(report, resolved)
+
+    def with_findings(self, report: Report, resolved: Sequence[ResolvedFrame]) -> Report:
+        """`report` with the section listing what `resolved` (frames read back) held near their dtype's limits; the
+        report itself when nothing came close. What `annotate` adds, and a replay's report (replay.py) too."""
+        return _with_findings(report, self._findings_read(resolved))
+
+    def judge(self, ctx: EngineContext, report: Report, checked: Sequence[Frame]) -> Report | None:
+        """A detection no frame holds (the guard's gradients, the sentinel's sums): what `review` found in the same
+        check (warned about already) goes into its report too."""
+        findings, self._checked = self._checked, None
+        if not self.active or findings is None or report.section("headroom") is not None:
+            return report
+        return _with_findings(report, findings)
+
+    def _findings(self, pending: Sequence[Frame]) -> list[Finding]:
+        """The findings of `pending`'s finite numbers (a few transfers)."""
         where: dict[int, tuple[Frame, Entry]] = {}
         for frame in pending:
             for entry in frame.entries:
@@ -146,59 +178,71 @@ class HeadroomMonitor(Feature):
         findings: list[Finding] = []
         for measurement, value in zip(floats, values, strict=True):
             frame, entry = where[id(measurement)]
-            findings += self._judge_max(frame, entry, measurement, value)
+            findings += self._judge_max(frame, _Line(entry.label, measurement.dtype, measurement.shape), value)
         for measurement, row in zip(counted, counts, strict=True):
             frame, entry = where[id(measurement)]
-            findings += self._judge_underflow(frame, entry, measurement, row)
-        self._record(findings)
-        return None
+            findings += self._judge_underflow(frame, _Line(entry.label, measurement.dtype, measurement.shape), row)
+        return findings
 
-    def _judge_max(self, frame: Frame, entry: Entry, measurement: Measurement, value: float) -> list[Finding]:
-        own = limits_of(measurement.dtype) if measurement.dtype is not None else None
+    def _findings_read(self, resolved: Sequence[ResolvedFrame]) -> list[Finding]:
+        """The max findings of frames read back already (a detection's): no transfer. A tensor several modules pass
+        on (same numbers, dtype and shape) is named once, where it was first recorded."""
+        seen: set[tuple[Any, ...]] = set()
+        findings: list[Finding] = []
+        for frame in resolved:
+            for entry in frame.entries:
+                value = entry.abs_max
+                dtype = getattr(torch, entry.dtype, None) if entry.dtype is not None else None
+                if not isinstance(value, float) or not isinstance(dtype, torch.dtype):
+                    continue
+                key = (entry.abs_min, value, entry.dtype, entry.shape)
+                if key in seen:
+                    continue
+                seen.add(key)
+                findings += self._judge_max(frame, _Line(entry.label, dtype, entry.shape), value)
+        return findings
+
+    def _judge_max(self, frame: Frame | ResolvedFrame, line: _Line, value: float) -> list[Finding]:
+        own = limits_of(line.dtype) if line.dtype is not None else None
         if own is None or value == own.max:  # exactly the max: a mask's finfo.min, as `suspicious()` says
             return []
         if not math.isfinite(value):  # past every limit: the detection's report, not a headroom warning
             return []
         found = []
         if self.warn_fraction is not None and value >= self.warn_fraction * own.max:
-            found.append(self._finding("headroom", frame, entry, measurement, value, own.max / value, own))
+            found.append(self._finding("headroom", frame, line, value, own.max / value, own))
         target = self.target
-        if target is not None and self._target_applies(measurement.dtype):
+        if target is not None and self._target_applies(line.dtype):
             if value >= target.overflow_at:
-                found.append(self._finding("target_overflow", frame, entry, measurement, value, value / target.max))
+                found.append(self._finding("target_overflow", frame, line, value, value / target.max))
             elif self.warn_fraction is not None and value >= self.warn_fraction * target.max:
-                found.append(self._finding("target_headroom", frame, entry, measurement, value, target.max / value))
+                found.append(self._finding("target_headroom", frame, line, value, target.max / value))
         return found
 
-    def _judge_underflow(self, frame: Frame, entry: Entry, measurement: Measurement, row: list[int]) -> list[Finding]:
+    def _judge_underflow(self, frame: Frame, line: _Line, row: list[int]) -> list[Finding]:
         subnormal, below, flushed, excess = row
         if excess <= 0:
             return []
-        own = limits_of(measurement.dtype) if measurement.dtype is not None else None
+        own = limits_of(line.dtype) if line.dtype is not None else None
         if own is None:
             return []
-        numel = math.prod(measurement.shape) if measurement.shape is not None else None
+        numel = math.prod(line.shape) if line.shape is not None else None
         # The counter's own limit, from the same size (a nested tensor has no shape here: judged on the excess).
         limit = math.floor(self.underflow_warn_fraction * numel) if numel is not None else 0
         found = []
         if subnormal > limit:
             ratio = subnormal / numel if numel else 0.0
-            found.append(self._finding("underflow", frame, entry, measurement, math.nan, ratio, own, count=subnormal))
+            found.append(self._finding("underflow", frame, line, math.nan, ratio, own, count=subnormal))
         if below > limit:
             ratio = below / numel if numel else 0.0
-            found.append(
-                self._finding(
-                    "target_underflow", frame, entry, measurement, math.nan, ratio, count=below, flushed=flushed
-                )
-            )
+            found.append(self._finding("target_underflow", frame, line, math.nan, ratio, count=below, flushed=flushed))
         return found
 
     def _finding(
         self,
         kind: FindingKind,
-        frame: Frame,
-        entry: Entry,
-        measurement: Measurement,
+        frame: Frame | ResolvedFrame,
+        line: _Line,
         value: float,
         ratio: float,
         limits: Limits | None = None,
@@ -208,18 +252,18 @@ class HeadroomMonitor(Feature):
     ) -> Finding:
         crossed = limits if limits is not None else self.target
         assert crossed is not None
-        assert measurement.dtype is not None
+        assert line.dtype is not None
         return Finding(
             kind=kind,
             batch_number=frame.batch_number,
             phase=frame.phase,
             module_name=frame.module_name,
             class_name=frame.class_name,
-            label=entry.label,
-            dtype=dtype_name(measurement.dtype),
+            label=line.label,
+            dtype=dtype_name(line.dtype),
             abs_max=value,
             ratio=ratio,
-            numel=math.prod(measurement.shape) if measurement.shape is not None else None,
+            numel=math.prod(line.shape) if line.shape is not None else None,
             count=count,
             flushed=flushed,
             limit_dtype=crossed.name,
@@ -277,6 +321,37 @@ class HeadroomMonitor(Feature):
         if text is not None:
             # Something was found: a warning; only the answer to target_dtype's question: information.
             self.logger.log(logging.WARNING if self._worst else logging.INFO, text)
+
+
+@dataclass(frozen=True)
+class _Line:
+    """The tensor of one line of a frame, as a finding names it."""
+
+    label: str
+    dtype: torch.dtype | None
+    shape: tuple[int, ...] | None
+
+
+def _with_findings(report: Report, findings: list[Finding]) -> Report:
+    """`report` with a "headroom" section listing `findings`, worst first (the report itself when there are none)."""
+    if not findings:
+        return report
+    shown = sorted(findings, key=badness, reverse=True)
+    during = f"{counter_name(report.phase)}={report.batch_number}"
+    lines = [f"numbers near their dtype's limits in the frames checked with this detection ({during}):"]
+    lines += [f"  {finding.line()}" for finding in shown[:MAX_LINES]]
+    if len(shown) > MAX_LINES:
+        lines.append(f"  ... and {len(shown) - MAX_LINES} more")
+    data = [_to_json(finding) for finding in shown]
+    return report.with_section(ReportSection("headroom", 15, tuple(lines), data, tuple(shown)))
+
+
+def _to_json(finding: Finding) -> dict[str, Any]:
+    """A finding as the JSON report holds it (an underflow finding has no abs max: null, not NaN)."""
+    data = dataclasses.asdict(finding)
+    data["abs_max"] = finding.abs_max if math.isfinite(finding.abs_max) else None
+    data["line"] = finding.line()
+    return data
 
 
 def _worse(a: Finding, b: Finding) -> bool:
