@@ -16,7 +16,7 @@ from tests.adapters.long_runs import FRAMEWORK_NOISE, batches, lightning_regress
 from tests.models import small_mlp
 from torch import nn
 
-from nanwatch import NonFiniteError, StepsSkippedInARow, watch
+from nanwatch import ConfigError, NonFiniteError, StepsSkippedInARow, watch
 
 SCRIPTS = Path(__file__).parent / "scripts"
 sys.path.insert(0, str(SCRIPTS))
@@ -102,17 +102,30 @@ def test_plain_raise_stays_the_default(tmp_path: Path) -> None:
     assert not (tmp_path / "skipped.jsonl").exists()
 
 
-def test_plain_without_a_guarded_optimizer_skip_cannot_skip_and_raises(tmp_path: Path) -> None:
+SKIP_NEEDS_AN_OPTIMIZER = (
+    "nanwatch: on_detect='skip' skips the optimizer step of a micro-batch that holds inf/nan, and {caller} has no "
+    "optimizer whose steps it can skip: {fix}"
+)
+
+
+def test_plain_skip_without_an_optimizer_is_refused_at_watch() -> None:
+    # Before, watch() took it, and the first detection raised NonFiniteError: the run it was meant to keep going
+    # stopped, and nothing had said skip could not skip.
     model = small_mlp()
-    model[2].factor = math.inf
-
-    def train() -> None:
-        with watch(model, on_detect="skip") as handle:
-            model(torch.ones(2, 4)).sum().backward()
-            handle.step()
-
-    with pytest.raises(NonFiniteError):
-        train()
+    with pytest.raises(ConfigError) as info:
+        watch(model, on_detect="skip")
+    assert str(info.value) == SKIP_NEEDS_AN_OPTIMIZER.format(
+        caller="watch()", fix="pass it, nanwatch.watch(model, optimizer=optimizer, on_detect='skip')"
+    )
+    assert "\n" not in str(info.value)
+    assert not any(module._forward_hooks or module._forward_pre_hooks for module in model.modules()), "nothing left"
+    # With the optimizer the same call watches, and the loop runs as written.
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    with watch(model, optimizer=optimizer, on_detect="skip") as handle:
+        x, y = batches(1)[0]
+        nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+        handle.step()
 
 
 def test_bad_skip_settings_are_named() -> None:
@@ -170,7 +183,42 @@ def test_lightning_skips_the_step_and_counts_it_as_lightning_counts_any(tmp_path
     assert callback.state_dict()["batch_number"] == 5
 
 
+def test_lightning_finds_its_optimizer_itself_so_skip_is_never_refused(tmp_path: Path) -> None:
+    # Lightning always has an optimizer to step, even when configure_optimizers() returns None (its stand-in, whose
+    # steps change nothing): skip skips that step, and the run goes on. Nothing to refuse, unlike watch() without one.
+    pytest.importorskip("lightning")
+    from nanwatch.adapters.lightning import OverflowCallback
+
+    module = lightning_regressor(lambda parameters: None, lambda index: math.inf if index == 1 else 1.0)
+    trainer = lightning_trainer(3, [OverflowCallback(on_detect="skip", report_dir=tmp_path)])
+    trainer.fit(module, torch.utils.data.DataLoader(batches(3), batch_size=None))
+    assert trainer.global_step == 3
+    assert [entry["batch_number"] for entry in _skip_list(tmp_path)] == [1]
+
+
 # ---------------------------------------------------------------------------------------------- Accelerate
+
+
+def test_accelerate_skip_without_a_prepared_optimizer_is_refused_at_attach() -> None:
+    pytest.importorskip("accelerate")
+    from accelerate import Accelerator
+
+    from nanwatch.adapters.accelerate import OverflowTracker
+
+    tracker = OverflowTracker(on_detect="skip")
+    accelerator = Accelerator(cpu=True, log_with=[tracker])
+    model = accelerator.prepare(small_mlp())  # the optimizer was not prepared
+    with pytest.raises(ConfigError) as info:
+        tracker.attach(accelerator, model)
+    assert str(info.value) == SKIP_NEEDS_AN_OPTIMIZER.format(
+        caller="OverflowTracker.attach()",
+        fix="prepare the optimizer (accelerator.prepare) before tracker.attach(), or pass it: "
+        "tracker.attach(accelerator, model, optimizers=optimizer)",
+    )
+    assert tracker.watcher is None
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    tracker.attach(accelerator, model, optimizers=optimizer)  # passed: watched, its steps skippable
+    tracker.detach()
 
 
 def test_accelerate_skips_the_step_and_goes_on(tmp_path: Path) -> None:

@@ -5,6 +5,7 @@ micro-batches around it raise nothing."""
 from __future__ import annotations
 
 import json
+import logging
 import math
 from pathlib import Path
 from typing import Any
@@ -78,6 +79,41 @@ def test_plain_a_spike_is_named_with_its_module_and_the_run_goes_on(
     assert "first module to move (in the order the frames were recorded): 2 (output, x" in text
     assert f"loss spiked during batch_number={SPIKE_AT}" in capsys.readouterr().err  # logged: a warning
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+@pytest.mark.parametrize("window", [10, 50])
+def test_plain_a_loss_that_jumps_and_stays_is_one_warning_and_one_report(
+    window: int, tmp_path: Path, nanwatch_log: pytest.LogCaptureFixture
+) -> None:
+    # The loss goes from ~1 to ~100 at micro-batch 50 and stays there for 100 more. Before, a spike entered the window
+    # as its mean, so the new level never did: every micro-batch after the jump was a spike, each one a warning and
+    # two files (48 warnings and 96 files in a run of 150). One jump is one event; a genuinely new spike on the new
+    # level (x100 again, at micro-batch 120) is reported as any other.
+    model = small_mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
+    with watch(model, optimizer=optimizer, report_dir=tmp_path, spike_window=window) as handle:
+        for index, (x, y) in enumerate(_batches16(150)):
+            model[2].factor = 1.0 if index < 50 else 100.0 if index == 120 else 10.0
+            optimizer.zero_grad()
+            handle.watch_loss(nn.functional.mse_loss(model(x), y)).backward()
+            optimizer.step()
+            handle.step()
+
+    assert sorted(path.name for path in tmp_path.iterdir()) == [
+        f"nanwatch-spike-rank0-batch{batch}.{ext}" for batch in (120, 50) for ext in ("json", "txt")
+    ]
+    records = nanwatch_log.records
+    warned = [r.getMessage() for r in records if r.levelno >= logging.WARNING and "spiked" in r.getMessage()]
+    assert [message.split(" (optimizer step")[0] for message in warned] == [
+        "nanwatch: loss spiked during batch_number=50",
+        "nanwatch: loss spiked during batch_number=120",
+    ]
+    assert all("largest gradient magnitude about to be applied spiked" in message for message in warned)
+    # What became of the jump is said once, not as a warning: the level taken up, or its repeats counted.
+    said = [r.getMessage() for r in records if r.levelno == logging.INFO and "batch_number=50" in r.getMessage()]
+    assert said, "the end of the event is said"
+    assert all("the loss" in m or "largest gradient" in m for m in said)
+    assert len(said) <= 2  # one per signal
 
 
 def test_plain_no_spike_without_spike_window(tmp_path: Path) -> None:

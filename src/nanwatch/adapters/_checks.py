@@ -25,6 +25,7 @@ __all__ = [
     "check_model",
     "check_optimizer",
     "check_config",
+    "check_skip",
     "real_optimizer",
 ]
 
@@ -105,6 +106,16 @@ def check_config(config: object, caller: str) -> None:
         f"{type(config).__name__}, {'an' if keyword == 'optimizer' else 'a'} {keyword}: pass it by keyword, "
         f"nanwatch.watch(model, {keyword}={keyword})"
     )
+
+
+def check_skip(config: WatchConfig, optimizers: list[Any], caller: str, fix: str) -> None:
+    """A one-line `ConfigError` when `on_detect="skip"` has no optimizer to skip: it skips the step a detection
+    reaches, and without a guarded optimizer there is none (it would raise at the first detection instead)."""
+    if config.on_detect == "skip" and not optimizers:
+        raise ConfigError(
+            f"nanwatch: on_detect='skip' skips the optimizer step of a micro-batch that holds inf/nan, and {caller} "
+            f"has no optimizer whose steps it can skip: {fix}"
+        )
 
 
 def optimizer_list(given: Any, default: Iterable[Any]) -> list[Any]:

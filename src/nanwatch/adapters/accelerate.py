@@ -87,6 +87,12 @@ class OverflowTracker(_common.UserHandle, GeneralTracker):  # type: ignore[misc]
         if self.watcher is not None and self.watcher.attached:
             raise RuntimeError("nanwatch: OverflowTracker is already attached; call detach() first")
         checked = _common.check_model(model, "OverflowTracker.attach()")
+        guarded = _common.optimizer_list(optimizers, default=getattr(accelerator, "_optimizers", []))
+        fix = (
+            "prepare the optimizer (accelerator.prepare) before tracker.attach(), or pass it: "
+            "tracker.attach(accelerator, model, optimizers=optimizer)"
+        )
+        _common.check_skip(self.config, guarded, "OverflowTracker.attach()", fix)
         root = accelerator.unwrap_model(checked, keep_torch_compile=False)
         watcher: AdapterContract = Watcher(
             root,
@@ -108,7 +114,7 @@ class OverflowTracker(_common.UserHandle, GeneralTracker):  # type: ignore[misc]
             watcher,
             root,
             lambda module, args: self._before_root_forward(accelerator, module),
-            optimizers=_common.optimizer_list(optimizers, default=getattr(accelerator, "_optimizers", [])),
+            optimizers=guarded,
             models=(model, root),
             fix="Prepare the optimizer (accelerator.prepare) before tracker.attach(), or pass it: "
             "tracker.attach(accelerator, model, optimizers=optimizer).",

@@ -41,6 +41,8 @@ class WatchHandle(_common.UserHandle):
         watched = _common.unwrap_model(_common.check_model(model, "watch()"))
         if optimizer is not None:
             _common.check_optimizer(optimizer, "watch()")
+        fix = "pass it, nanwatch.watch(model, optimizer=optimizer, on_detect='skip')"
+        _common.check_skip(config, [] if optimizer is None else [optimizer], "watch()", fix)
         # Holds the model while watching, and lets it go at close().
         self.watcher: AdapterContract = Watcher(watched, config, entry=_common.entry_module(model, watched))
         if scaler is not None:  # before attach: a bad scaler raises with no hook left behind
@@ -161,7 +163,8 @@ def watch(
         the end of the block. An earlier handle that still watches `model` is closed, with a `NanwatchWarning`.
 
     Raises:
-        ConfigError: the config or an override names an unknown field or holds a bad value.
+        ConfigError: the config or an override names an unknown field or holds a bad value; or `on_detect="skip"`
+            without `optimizer` (there is no step to skip).
         TypeError: `scaler` is not a GradScaler.
     """
     _common.check_config(config, "watch()")

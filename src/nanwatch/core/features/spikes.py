@@ -16,6 +16,13 @@ of its own over the last `HISTORY` checks, largest jumps first; the first (in re
 the one before it under a full watch, on the same weights (`SPIKE_REPLAY`), and the modules that moved are those that
 moved with the data. It is logged (a warning) and written to `report_dir/nanwatch-spike-rank{R}-batch{N}.txt`, and
 the run goes on: a spike is not inf/nan.
+
+One spike event is one warning and one report. A spike opens an event; the spikes that follow it within `QUIET`
+judgements of the last are the same event, counted, not reported again. Once the event spans `LASTING` judgements,
+if their median is itself a spike against the window the event began with, the level lasts (a loss that jumps and
+stays): the window starts again from those values as its new baseline (judging again once warm), and the event
+closes. Either way it ends with one line at INFO level (the level taken up, or the repeats counted once the signal
+has been quiet for `QUIET` judgements). A spike after that is a new event, judged against the level then.
 """
 
 from __future__ import annotations
@@ -36,7 +43,7 @@ from nanwatch.core.frames import Direction, Frame, ResolvedFrame, Role, counter_
 from nanwatch.core.readouts import GRADIENT_MAXIMUM, SPIKE_REPLAY, ReplayedLevels
 from nanwatch.core.report import Report
 
-__all__ = ["HISTORY", "SpikeMonitor", "Window"]
+__all__ = ["HISTORY", "LASTING", "SpikeMonitor", "Window"]
 
 # Checks whose output lines are kept (references only) to tell each module's recent level. Kept objects cost: the
 # garbage collector walks them, so only each frame's output lines are kept, for a few checks.
@@ -44,6 +51,25 @@ HISTORY = 4
 # Modules named in a spike's report.
 MAX_MODULES = 10
 _MIN_VALUES = 8
+# Judgements of one signal since a spike (the spike included) before its event may be a level that lasts.
+LASTING = 3
+# Judgements without a spike that close an event.
+QUIET = 8
+
+
+@dataclass
+class _Event:
+    """A spike and what followed it, one event: reported once."""
+
+    opened: int  # the window's count at the spike's judgement
+    batch_number: int
+    mean: float  # the window the spike was judged against
+    std: float
+    # The window's count at a spike's judgement: its value (it entered the window as the mean), for the latest
+    # `size` judgements; and how many spikes the event has had.
+    spikes: dict[int, torch.Tensor] = field(default_factory=dict)
+    spiked: int = 1
+    quiet: int = 0  # judgements without a spike since the last
 
 
 @dataclass
@@ -56,12 +82,13 @@ class Window:
     values: torch.Tensor | None = None
     count: int = 0
     judged: list[torch.Tensor] = field(default_factory=list)  # value, mean, std of the latest judgement
+    event: _Event | None = None
 
     def judge(self, value: torch.Tensor) -> torch.Tensor | None:
         """A device flag (True = no spike) for `value`, which joins the window; None while the window warms up."""
         value = value.detach().reshape(()).float()
         if self.values is None or self.values.device != value.device:
-            self.values, self.count = torch.zeros(self.size, device=value.device), 0
+            self.values, self.count, self.event = torch.zeros(self.size, device=value.device), 0, None
         filled = min(self.count, self.size)
         flag = None
         entering = value
@@ -76,6 +103,21 @@ class Window:
         self.values[self.count % self.size] = entering
         self.count += 1
         return flag
+
+    def since(self, event: _Event) -> torch.Tensor:
+        """The values judged since `event` opened (the latest `size` of them), spikes as they were."""
+        assert self.values is not None
+        start = max(event.opened, self.count - self.size)
+        return torch.stack(
+            [event.spikes[i] if i in event.spikes else self.values[i % self.size] for i in range(start, self.count)]
+        )
+
+    def restart(self, values: torch.Tensor) -> None:
+        """Start again from `values` (a level that lasts): judged against them once the window is warm again."""
+        assert self.values is not None
+        fresh = torch.zeros_like(self.values)
+        fresh[: len(values)] = values
+        self.values, self.count, self.judged, self.event = fresh, len(values), [], None
 
 
 class SpikeMonitor(Feature):
@@ -96,6 +138,8 @@ class SpikeMonitor(Feature):
     def screen(
         self, ctx: EngineContext, pending: Sequence[Frame], maxima: Mapping[tuple[Any, Any], torch.Tensor]
     ) -> list[torch.Tensor]:
+        for signal, _ in self._flags:  # not reviewed: no flag tripped (or inf/nan took the check): no spike
+            self._quiet(ctx, signal)
         self._flags = []
         signals = [("loss", self._loss), ("gradients", ctx.read(GRADIENT_MAXIMUM))]
         self._loss = None
@@ -109,11 +153,61 @@ class SpikeMonitor(Feature):
     def review(self, ctx: EngineContext, pending: Sequence[Frame]) -> Report | None:
         flags, self._flags = self._flags, []
         tripped = [signal for signal, flag in flags if not bool(flag)]
-        if tripped:
-            # The loss's own micro-batch; the gradients': the last one before the step (an adapter may have ended it).
-            batch = self._loss_batch if "loss" in tripped else ctx.last_batch
-            self._report(ctx, tripped, pending, batch)
+        # The loss's own micro-batch; the gradients': the last one before the step (an adapter may have ended it).
+        batch = self._loss_batch if "loss" in tripped else ctx.last_batch
+        fresh = []  # the signals whose spike opens an event: reported
+        for signal, _ in flags:
+            window = self._windows[signal]
+            if signal not in tripped:
+                self._quiet(ctx, signal)
+                continue
+            value, mean, std = window.judged
+            event = window.event
+            if event is None:
+                fresh.append(signal)
+                window.event = _Event(window.count - 1, batch, float(mean), float(std), {window.count - 1: value})
+                continue
+            event.spikes[window.count - 1], event.quiet = value, 0
+            event.spiked += 1
+            if len(event.spikes) > window.size:  # only the window's worth is ever read
+                event.spikes = {i: v for i, v in event.spikes.items() if i >= window.count - window.size}
+            if window.count - event.opened >= LASTING:
+                self._maybe_lasting(ctx, signal, window, event)
+        if fresh:
+            self._report(ctx, fresh, pending, batch)
         return None  # a spike is a warning: the run goes on
+
+    def _quiet(self, ctx: EngineContext, signal: str) -> None:
+        """A judgement of `signal` without a spike: its event closes after `QUIET` of them in a row."""
+        window = self._windows[signal]
+        event = window.event
+        if event is None:
+            return
+        event.quiet += 1
+        if event.quiet >= QUIET:
+            window.event = None
+            if event.spiked > 1:
+                ctx.logger.info(
+                    f"nanwatch: the {_WHAT[signal]} spike during {counter_name(ctx.phase)}={event.batch_number} "
+                    f"repeated {event.spiked - 1} times in the {window.count - event.opened - QUIET} judgements "
+                    f"after it (not reported again), then none for {QUIET}"
+                )
+
+    def _maybe_lasting(self, ctx: EngineContext, signal: str, window: Window, event: _Event) -> None:
+        """The values since the event opened: when their median is a spike against the window the event began with,
+        the level lasts, and becomes the window's new baseline."""
+        since = window.since(event)
+        median = statistics.median(since.tolist())
+        mean, std = event.mean, event.std
+        if not (median > mean + (window.factor - 1) * abs(mean) and median > mean + window.zscore * std):
+            return  # spikes around a level that has not moved (yet): still the same event
+        window.restart(since)
+        ctx.logger.info(
+            f"nanwatch: the {_WHAT[signal]} stayed up after its spike during {counter_name(ctx.phase)}="
+            f"{event.batch_number}: median {median:.3e} over the {len(since)} judgements since (mean before "
+            f"{mean:.3e}), {event.spiked} spikes, reported once. Taken as its new level: spikes are "
+            f"judged against it once {min(window.size, _MIN_VALUES)} values are in"
+        )
 
     def on_commit(self, ctx: EngineContext, frames: Sequence[Frame]) -> None:
         outputs = [
@@ -143,7 +237,7 @@ class SpikeMonitor(Feature):
             window = self._windows[signal]
             value, mean, std = (float(number) for number in window.judged)
             sigmas = (value - mean) / std if std > 0 else math.inf
-            what = "loss" if signal == "loss" else "largest gradient magnitude about to be applied"
+            what = _WHAT[signal]
             lines.append(
                 f"nanwatch: {what} spiked during {counter_name(ctx.phase)}={batch} (optimizer step "
                 f"{ctx.optimizer_step}): {value:.3e} against a window of {min(window.count - 1, window.size)} "
@@ -209,6 +303,9 @@ class SpikeMonitor(Feature):
                 if level > before:
                     moved.append((key[0], key[1], level, before))
         return moved
+
+
+_WHAT = {"loss": "loss", "gradients": "largest gradient magnitude about to be applied"}
 
 
 def _moved_in_replay(
