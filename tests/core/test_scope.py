@@ -118,7 +118,7 @@ def test_the_adapter_given_modules_are_the_ones_matched() -> None:
         ({"include_modules": "encoder.*"}, "single string 'encoder.*'"),
         ({"exclude_modules": [3]}, "exclude_modules"),
         ({"watch_every_n_batches": 0}, "watch_every_n_batches"),
-        ({"watch_every_n_batches": True}, "not booleans"),
+        ({"watch_every_n_batches": True}, "not a boolean"),
         ({"watch_first_batch": -1}, "watch_first_batch"),
         ({"watch_first_batch": 5, "watch_last_batch": 4}, "watch_last_batch \\(4\\) comes before"),
         ({"summary_every_n_batches": 0}, "summary_every_n_batches"),
