@@ -127,6 +127,14 @@ class LossScaleHistory:
     def current(self) -> float | None:
         return self.records[-1].scale if self.records else None
 
+    def skipped_since(self, batch_number: int) -> bool:
+        """Whether the scale went down at training micro-batch `batch_number` or later: the scaler skipped the
+        optimizer step of that micro-batch or of a later one."""
+        return any(
+            later.batch_number >= batch_number and later.scale < earlier.scale
+            for earlier, later in zip(self.records, self.records[1:], strict=False)
+        )
+
     def to_text(self) -> str:
         """One line: `Loss scale (GradScaler): 65536 at batch 0 -> 32768 at batch 3 -> ...; 1 skipped step; ...`."""
         steps = [f"{scale_text(r.scale)} at batch {r.batch_number}" for r in self.records]

@@ -18,6 +18,16 @@ One small state machine per watcher:
   clears the gradients that step would apply (so the optimizer changes nothing), the report is on disk, the
   micro-batch joins `report_dir/skipped.jsonl`, and the machine is clear again on fresh keys. The
   `max_consecutive_skips + 1`-th detection in a row raises `StepsSkippedInARow` instead.
+
+Under `on_detect="skip"` with more than one rank, the ranks vote before every optimizer step (core/stepvote.py):
+each learns, before it steps, whether any rank detected inf/nan in that step's window, so every rank skips the same
+step whatever the rank-local cause (an inf in a diagnostic output that never reaches the gradients, a spike on one
+rank). The vote replaces the board's settling there; the board still carries what raises (evaluation, `check()`).
+
+A step the GradScaler skips itself is not skipped again: a detection held for a step that the scaler skipped (the
+scale went down at or after the detection's micro-batch: no `optimizer.step()` came for that window) is let go, its
+report on disk, and a step the optimizer is told to skip (`found_inf`, fused optimizers) is neither listed nor
+counted as nanwatch's.
 """
 
 from __future__ import annotations
@@ -36,8 +46,10 @@ from nanwatch.core.engine.counters import Counters
 from nanwatch.core.engine.publisher import Publisher
 from nanwatch.core.frames import counter_name
 from nanwatch.core.log import warn
+from nanwatch.core.optimizers import skips_this_step
 from nanwatch.core.ranks import Detection, Kind
 from nanwatch.core.report import Report
+from nanwatch.core.stepvote import StepVote, VoteLost
 from nanwatch.errors import NonFiniteError, StepsSkippedInARow
 
 __all__ = ["Arbiter", "SKIP_LIST", "Stage", "kind_of"]
@@ -68,6 +80,9 @@ class Arbiter:
         on_detect: "raise", or "skip" (a verdict reached before an optimizer step skips that step).
         max_consecutive_skips: with "skip", the steps that may be skipped in a row.
         report_dir: where the skip list goes (rank 0 writes it); None: nowhere.
+        votes: with "skip" and more than one rank, the vote every rank takes before each optimizer step.
+        scaler_skipped_since: whether the run's GradScaler skipped a step at or after a training micro-batch (its
+            scale went down there); None without a scaler.
     """
 
     def __init__(
@@ -83,8 +98,12 @@ class Arbiter:
         on_detect: str = "raise",
         max_consecutive_skips: int = 3,
         report_dir: Path | None = None,
+        votes: StepVote | None = None,
+        scaler_skipped_since: Callable[[int], bool] | None = None,
     ) -> None:
         self._board = board
+        self._votes = votes
+        self._scaler_skipped_since = scaler_skipped_since
         self._publisher = publisher
         self._counters = counters
         self._logger = logger
@@ -115,7 +134,9 @@ class Arbiter:
 
     def detect(self, report: Report | None) -> None:
         """A check's result: the first detection is held (later ones are the same story, told again)."""
-        if report is None or self._held is not None:
+        if report is None:
+            return
+        if self._held is not None and not self._drop_if_the_scaler_skipped_its_step():
             return
         self._held = report
         # On disk before anything else: once other ranks learn of it they may exit, and a launcher such as
@@ -129,17 +150,71 @@ class Arbiter:
         checks before each optimizer step, where ranks will meet). `before_step`: the optimizer about to step, whose
         step `on_detect="skip"` skips instead of raising."""
         self._about_to_step, skipped_before = before_step, len(self.skipped)
+        # Fused optimizers are called for a step the GradScaler skips, told so by `found_inf`.
+        scaler_skips = before_step is not None and skips_this_step(before_step)
         try:
-            self._settle(hold, wait)
+            if before_step is not None and self.skips:
+                self._drop_if_the_scaler_skipped_its_step()
+            if before_step is not None and self.skips and self._votes is not None:
+                self._vote(scaler_skips)
+            elif before_step is not None and self.skips and scaler_skips and self._held is not None:
+                self._let_go_for_the_scaler(self._held)
+            else:
+                self._settle(hold, wait)
         finally:
             self._about_to_step = None
-        if before_step is not None and len(self.skipped) == skipped_before:  # this step applies
+        if before_step is not None and len(self.skipped) == skipped_before and not scaler_skips:  # this step applies
             self.skipped_in_a_row = 0
 
     @property
     def skips(self) -> bool:
         """A verdict is acted on by skipping steps, not raising (so it is left for the optimizer step)."""
         return self._on_detect == "skip"
+
+    def _drop_if_the_scaler_skipped_its_step(self) -> bool:
+        """Under skip, let go of the held detection if the GradScaler skipped a step at or after its micro-batch
+        (no `optimizer.step()` came for its window: the scaler did what a skip does). True when nothing is held."""
+        held = self._held
+        if held is None:
+            return True
+        if not self.skips or self._scaler_skipped_since is None or held.phase != "train":
+            return False
+        if not self._scaler_skipped_since(held.batch_number):
+            return False
+        self._let_go_for_the_scaler(held)
+        return True
+
+    def _let_go_for_the_scaler(self, held: Report) -> None:
+        """The GradScaler skips (or skipped) the step of `held`'s window itself: nothing to skip, nothing listed."""
+        if not self._published and (self._board is None or kind_of(held) == "frames"):
+            self._publish_held()
+        self._held, self._published = None, False
+        self._logger.info(
+            f"nanwatch: inf/nan during batch_number={held.batch_number}: the GradScaler skipped that optimizer step "
+            "itself (on_detect='skip' skips nothing more, and lists nothing)"
+        )
+
+    def _vote(self, scaler_skips: bool) -> None:
+        """Before an optimizer step, with skip and more than one rank: every rank learns whether any rank detected
+        inf/nan in this step's window, and every rank applies or skips it alike (core/stepvote.py)."""
+        assert self._votes is not None
+        if self._held is None and self.posted_elsewhere():  # a verdict that raises (evaluation, check())
+            self._settle(hold=False, wait=True)
+            return
+        mine = self._held
+        detection = None if mine is None else Detection(mine.batch_number, self._rank, mine.phase, kind_of(mine))
+        try:
+            posted = self._votes.vote(detection)
+        except VoteLost:  # said once: this rank acts on what it saw itself
+            posted = [] if detection is None else [detection]
+        if not posted:  # no rank detected (a detection of this rank that reached the vote late waits for the next)
+            return
+        verdict = min(posted, key=Detection.order)
+        if scaler_skips and verdict.phase == "train":  # found_inf: the same on every rank (all-reduced gradients)
+            if mine is not None:
+                self._let_go_for_the_scaler(mine)
+            return
+        self._conclude(mine, verdict, voted=True)
 
     def _settle(self, hold: bool, wait: bool) -> None:
         mine = self._held
@@ -202,12 +277,17 @@ class Arbiter:
             self._publish_held()
         self._conclude(mine, verdict)
 
-    def _conclude(self, local: Report | None, agreed: Detection) -> None:
+    def _conclude(self, local: Report | None, agreed: Detection, *, voted: bool = False) -> None:
         """Raise the verdict, or skip the step about to run (`on_detect="skip"`, a training detection, within the
-        limit of steps skipped in a row)."""
+        limit of steps skipped in a row). `voted`: the ranks agreed through the vote before this step, not the board
+        (so every rank has read the vote before any raises, and the board's keys stay as they are)."""
         optimizer = self._about_to_step
-        if optimizer is None or not self.skips or agreed.phase != "train":
+        raises = optimizer is None or not self.skips or agreed.phase != "train"
+        if voted and self._votes is not None and (raises or self.skipped_in_a_row >= self._max_skips):
+            self._votes.acknowledge()
+        if raises:
             self.raise_error(local, agreed)
+        assert optimizer is not None
         if self.skipped_in_a_row >= self._max_skips:
             self.raise_error(local, agreed, skipped=self.skipped_in_a_row)
         if (
@@ -225,7 +305,7 @@ class Arbiter:
                 param.grad = None
         self._held, self._published = None, False
         self.skipped_in_a_row += 1
-        if self._board is not None:
+        if self._board is not None and not voted:
             self._board.next_round()
         self._list_skip(agreed)  # the micro-batch goes on to its end, as any other
 

@@ -14,9 +14,11 @@ from nanwatch.core.engine.plugins import FeatureSet
 from nanwatch.core.engine.publisher import Publisher
 from nanwatch.core.engine.recorder import Recorder
 from nanwatch.core.events import Feature
+from nanwatch.core.readouts import LOSS_SCALE_HISTORY
 from nanwatch.core.scope import BatchSchedule
 from nanwatch.core.stats.cache import StatsCache
 from nanwatch.core.stats.measure import extra_kernels
+from nanwatch.core.stepvote import StepVote
 
 __all__ = ["Parts", "assemble"]
 
@@ -58,6 +60,14 @@ def assemble(facade: Facade, fixed: Fixed, features: list[Feature], *, on_raise:
     checkers.append(checker)
     publisher = Publisher(config, logger, schedule, plugins, disable)
     board = DetectionBoard.for_model(facade.model, facade.entry, rank, world_size, config.rank_wait_s)
+    votes = None
+    if board is not None and config.on_detect == "skip":  # every rank votes before each optimizer step
+        votes = StepVote(board._store, board._prefix, board.world_size, config.rank_wait_s)
+
+    def scaler_skipped_since(batch_number: int) -> bool:
+        history = plugins.read(LOSS_SCALE_HISTORY)
+        return history is not None and history.skipped_since(batch_number)
+
     arbiter = Arbiter(
         board,
         publisher,
@@ -69,6 +79,8 @@ def assemble(facade: Facade, fixed: Fixed, features: list[Feature], *, on_raise:
         on_detect=config.on_detect,
         max_consecutive_skips=config.max_consecutive_skips,
         report_dir=config.report_dir,
+        votes=votes,
+        scaler_skipped_since=scaler_skipped_since,
     )
     plugins.ctx = EngineView(facade, fixed, counters, recorder, checker, publisher, plugins, cache, schedule)
     return Parts(schedule, cache, counters, plugins, recorder, checker, publisher, arbiter)
