@@ -33,9 +33,7 @@ from twin_run import ACCUMULATION, MICRO_BATCHES, MODES  # noqa: E402
 pytestmark = pytest.mark.multiprocess
 
 LAUNCHES = {"ddp": ("INFO", ["ddp"]), "fsdp": ("DETAIL", ["fsdp1", "fsdp2", "fsdp2-mixed"])}
-CASES = [
-    (launch, stack, mode) for launch, (_, stacks) in LAUNCHES.items() for stack in stacks for mode in MODES
-]
+CASES = [(launch, stack, mode) for launch, (_, stacks) in LAUNCHES.items() for stack in stacks for mode in MODES]
 
 
 @pytest.fixture(scope="module")
