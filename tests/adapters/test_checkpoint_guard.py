@@ -336,6 +336,38 @@ def test_a_mask_is_told_apart_under_a_framework_prefix_and_when_modules_share_it
     )
 
 
+def test_a_mask_every_layer_shares_is_kept_once() -> None:
+    from nanwatch.core.features.buffer_masks import BufferMasks
+
+    model = nn.Module()
+    model.layers = nn.ModuleList([CausalMix() for _ in range(3)])
+    for layer in model.layers[1:]:
+        layer.mask = model.layers[0].mask
+    masks = BufferMasks()
+    masks.learn(model)
+    kept = {id(mask.kinds) for mask in masks._masks.values()}
+    assert set(masks._masks) == {f"layers.{index}.mask" for index in range(3)}
+    assert len(kept) == 1  # one pattern for the one storage, not one per name
+
+
+def test_plain_a_float8_buffer_neither_stops_watching_nor_is_refused_for_its_mask(tmp_path: Path) -> None:
+    # float8 has no elementwise kernels for the finiteness test on the CPU: the buffers are read in float32.
+    model = small_mlp()
+    model.register_buffer("mask8", torch.full((4, 4), -math.inf).triu(1).to(torch.float8_e5m2))
+    model.register_buffer("scale8", torch.ones(4).to(torch.float8_e4m3fn))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with watch(model, optimizer=optimizer) as handle:
+        _train_one_step(model, optimizer, handle)
+        handle.save_checkpoint(_state(model, optimizer), tmp_path / "good.pt")
+        assert handle.watcher is not None
+        assert handle.watcher.disabled_reason is None
+        model.scale8[1] = math.nan
+        with pytest.raises(NonFiniteCheckpoint) as caught:
+            handle.save_checkpoint(_state(model, optimizer), tmp_path / "bad.pt")
+    assert (tmp_path / "good.pt").exists()
+    assert caught.value.non_finite == [("model.scale8", "nan")]
+
+
 def test_plain_a_mask_buffer_is_saved_and_only_new_inf_or_nan_in_a_buffer_refused(tmp_path: Path) -> None:
     model = masked_mlp()
     optimizer = torch.optim.Adam(model.parameters())

@@ -45,8 +45,10 @@ class BufferMasks:
         self._shapes: set[torch.Size] = set()  # the masks' shapes: a tensor of another is no mask, at no more cost
 
     def learn(self, model: torch.nn.Module) -> None:
-        """Look at each buffer not seen before, once (one host read for each such floating-point buffer)."""
+        """Look at each buffer not seen before, once: one host read for all of them, and a pattern kept for each that
+        holds inf/nan (one per storage: a mask every layer shares is kept once, under each of its names)."""
         # Every name of a buffer that several modules share (one mask for every layer): a state dict has each.
+        new: list[tuple[str, str, torch.Tensor]] = []
         for name, buffer in model.named_buffers(remove_duplicate=False):
             clean = clean_name(name)
             if clean in self._names:
@@ -56,10 +58,21 @@ class BufferMasks:
                 continue
             self._names.add(clean)
             if tensor.is_floating_point():
-                kinds = non_finite_kinds(tensor)
-                if bool(kinds.any()):
-                    self._masks[clean] = _Mask(name, kinds)
-                    self._shapes.add(tensor.shape)
+                new.append((name, clean, tensor))
+        if not new:
+            return
+        with torch.no_grad():
+            flags = _all_finite([tensor for _, _, tensor in new])
+        kept: dict[tuple[int, torch.Size, torch.device], torch.Tensor] = {}
+        for (name, clean, tensor), all_finite in zip(new, flags, strict=True):
+            if all_finite:
+                continue
+            key = (tensor.data_ptr(), tensor.shape, tensor.device)
+            kinds = kept.get(key)
+            if kinds is None:
+                kinds = kept[key] = non_finite_kinds(tensor)
+            self._masks[clean] = _Mask(name, kinds)
+            self._shapes.add(tensor.shape)
 
     def known(self, model: torch.nn.Module) -> KnownKinds | None:
         """For `non_finite_tensors`: the pattern each tensor of a checkpoint of `model` may hold (None: no mask)."""
@@ -100,3 +113,16 @@ class BufferMasks:
             if candidate in self._names:
                 return candidate
         return None
+
+
+def _all_finite(tensors: list[torch.Tensor]) -> list[bool]:
+    """Whether each of `tensors` holds only finite values: one host read per device."""
+    flags = [(non_finite_kinds(tensor) == 0).all() for tensor in tensors]
+    by_device: dict[torch.device, list[int]] = {}
+    for index, flag in enumerate(flags):
+        by_device.setdefault(flag.device, []).append(index)
+    found = [True] * len(tensors)
+    for indices in by_device.values():
+        for index, value in zip(indices, torch.stack([flags[i] for i in indices]).tolist(), strict=True):
+            found[index] = bool(value)
+    return found

@@ -34,8 +34,13 @@ KnownKinds: TypeAlias = Callable[[str, torch.Tensor], "torch.Tensor | None"]
 _NAN_KIND = 2
 
 
+_KINDS_DTYPES = frozenset((torch.float16, torch.bfloat16, torch.float32, torch.float64))
+
+
 def non_finite_kinds(tensor: torch.Tensor) -> torch.Tensor:
     """One int8 per value of `tensor`: 0 finite, 1 +inf, -1 -inf, 2 nan (three elementwise kernels, no host read)."""
+    if tensor.dtype not in _KINDS_DTYPES:  # float8 has no elementwise kernels here; every value is exact in float32
+        tensor = tensor.float()
     codes = torch.nan_to_num(tensor, nan=float(_NAN_KIND), posinf=1.0, neginf=-1.0)
     return torch.where(torch.isfinite(tensor), 0, codes).to(torch.int8)
 
@@ -67,7 +72,10 @@ def floating_tensors(state: Any, where: str = "") -> Iterator[tuple[str, torch.T
 def non_finite_tensors(state: Any, known: KnownKinds | None = None) -> tuple[list[tuple[str, str]], int]:
     """The tensors of `state` that hold inf or nan, as `(where, "inf" | "nan")` (empty when all are finite), and how
     many floating-point tensors were checked. `known` says which tensors may hold inf/nan, and where."""
-    found = [(where, tensor, known(where, tensor) if known else None) for where, tensor in floating_tensors(state)]
+    found = [
+        (where, _checkable(tensor), known(where, tensor) if known else None)
+        for where, tensor in floating_tensors(state)
+    ]
     if not found:
         return [], 0
     by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
@@ -89,6 +97,12 @@ def non_finite_tensors(state: Any, known: KnownKinds | None = None) -> tuple[lis
         if word is not None:
             bad.append((where, word))
     return bad, len(found)
+
+
+def _checkable(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor`, or its float32 copy where torch has no reduction for its dtype (float8: every value exact in
+    float32)."""
+    return tensor if tensor.dtype in _KINDS_DTYPES else tensor.float()
 
 
 def _verdict(tensor: torch.Tensor) -> str | None:
