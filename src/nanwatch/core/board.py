@@ -10,8 +10,9 @@ no rank detects anything, and a constant number of round trips per rank when one
 - *post* (a rank that saw inf/nan): `append` its detection to one key, then `add` 1 to the count of posts.
 - *decide* (one rank, whom the count names): the rank whose `add` completed the count (0), or the first rank to close
   the count (adding a large constant: a rank that may not wait, as it posts; a rank whose wait ran out with posts
-  missing, after the wait). It reads every post in one `get` and writes the verdict into every rank's bell in one
-  `multi_set`. Exactly one rank finds the count complete or first closes it, so one verdict is ever written.
+  missing, after the wait). It reads every post in one `get`, writes the verdict key once (`compare_set`: a rank whose
+  watcher attached after another had decided alone finds the verdict already there, and takes it) and the verdict
+  into every rank's bell in one `multi_set`. One verdict is ever written.
 - *hear* (every rank): its bell (core/listener.py), through a listener thread where the store can be cloned.
 - *acknowledge* (every rank): `add` 1 to the count of ranks that have the verdict; the rank that completes it says
   so, and every rank waits for that (bounded by `wait_s`) before it raises: no rank exits, and no launcher kills the
@@ -19,7 +20,7 @@ no rank detects anything, and a constant number of round trips per rank when one
 - *close* (a rank whose watcher ends): `add` 1 to each count this rank has not added to in the current round (it
   will not post, nor acknowledge); a rank whose close completes the count of posts decides, as a poster would.
 
-So a rank makes 4 round trips per detection, the deciding rank 6 (benchmarks/agreement.py counts them), and 2 when
+So a rank makes 4 round trips per detection, the deciding rank 7 (benchmarks/agreement.py counts them), and 2 when
 it attaches and 2 when it closes (the last to close up to 4); the store's work per detection is O(N). A rank that
 posted has the verdict within `wait_s` when every rank posts, within `2 * wait_s` when some never does, and raises at
 most `wait_s` after that (the acknowledgements): at most `3 * wait_s` in all, never a hang. Every call to the store
@@ -298,8 +299,15 @@ class DetectionBoard:
         text = raw.decode() if isinstance(raw, bytes) else str(raw)
         posted = [Detection.decode(entry) for entry in text.split(";") if entry.strip()]
         verdict = min(posted, key=Detection.order).encode()
+        # The verdict key is written once, whoever gets here: a rank that attached late (its watcher made after
+        # another rank had posted and decided alone) may complete the count again, and must then take the verdict
+        # already written, never ring the bells with a second one.
+        written = self._call("compare_set", self._verdict_key, "", verdict)
+        written = written.decode() if isinstance(written, bytes) else str(written)
+        if written != verdict:
+            return Detection.decode(written)
         bells = [f"{self._bell_prefix}{member}" for member in range(self.world_size)]
-        self._call("multi_set", [*bells, self._verdict_key], [verdict] * (len(bells) + 1))
+        self._call("multi_set", bells, [verdict] * len(bells))
         return Detection.decode(verdict)
 
     def _acknowledge(self) -> None:
@@ -322,7 +330,13 @@ class DetectionBoard:
     def close(self) -> None:
         """Stop listening (the listener thread, if any, ends) and count this rank out: the other ranks no longer wait
         for its post or its acknowledgement. A close that completes the count of posts decides for those waiting."""
+        try:  # a store whose host has gone (its GONE already heard by the listener) is not called again
+            heard = self._bell.rung() if getattr(self._bell, "listening", False) else None
+        except Exception:
+            heard = None
         self._bell.close()
+        if heard == GONE and self.lost is None:
+            self._lose_to_host()
         if self._closed or self.lost is not None or os.getpid() != self._pid:
             return
         self._closed = True
