@@ -66,5 +66,8 @@ def test_a_watched_healthy_run_ends_bit_identical_to_its_unwatched_twin(
         assert watched["error"] is None, f"rank {rank}: the watched twin failed:\n{watched['error']}"
         assert watched["steps"] == unwatched["steps"] == MICRO_BATCHES // ACCUMULATION, f"rank {rank}"
         assert watched["collectives"] == unwatched["collectives"], f"rank {rank}: nanwatch issued collectives"
+        assert watched["watching"]["disabled_reason"] is None, f"rank {rank}: watching stopped"
+        if mode != "sentinel":  # full mode's ring holds the last frames recorded
+            assert watched["watching"]["frames"] > 0, f"rank {rank}: nothing recorded"
         for part in ("weights", "optimizer", "torch_rng", "python_rng", "numpy_rng"):
             assert watched["digest"][part] == unwatched["digest"][part], f"rank {rank}: the {part} differ"

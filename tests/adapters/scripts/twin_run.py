@@ -17,6 +17,7 @@ import json
 import random
 import sys
 import traceback
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -76,9 +77,7 @@ def build(stack: str) -> nn.Module:
         from torch.distributed.fsdp import FullyShardedDataParallel
         from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-        return FullyShardedDataParallel(
-            net, auto_wrap_policy=ModuleWrapPolicy({Block}), device_id=torch.device("cpu")
-        )
+        return FullyShardedDataParallel(net, auto_wrap_policy=ModuleWrapPolicy({Block}), device_id=torch.device("cpu"))
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     options: dict[str, Any] = {}
@@ -151,6 +150,7 @@ def train(stack: str, mode: str, watched: bool, out: Path) -> dict[str, Any]:
         else None
     )
     error = None
+    watching: dict[str, Any] = {}
     try:
         for index, (inputs, targets) in enumerate(data):
             # A draw from every generator the user has, as data augmentation and dropout do.
@@ -170,12 +170,23 @@ def train(stack: str, mode: str, watched: bool, out: Path) -> dict[str, Any]:
                         torch.save(state, path)
             if handle is not None:
                 handle.step()
+        if handle is not None and handle.watcher is not None:  # still watching at the end, and what it recorded
+            watching = {
+                "disabled_reason": handle.watcher.disabled_reason,
+                "frames": len(handle.watcher.recent_frames()),
+            }
     except Exception as caught:  # recorded for the test, which shows it
         error = "".join(traceback.format_exception(caught))[-3000:]
     finally:
         if handle is not None:
             handle.close()
-    return {"digest": digest(model, optimizer), "steps": steps[0], "collectives": collectives() - before, "error": error}
+    return {
+        "digest": digest(model, optimizer),
+        "steps": steps[0],
+        "collectives": collectives() - before,
+        "error": error,
+        "watching": watching,
+    }
 
 
 def main() -> None:
@@ -185,6 +196,8 @@ def main() -> None:
     parser.add_argument("--modes", nargs="+", default=list(MODES))
     args = parser.parse_args()
     torch.set_num_threads(1)
+    # As in the test suite: a warning of nanwatch's (it stopped watching, the agreement failed) fails the twin.
+    warnings.simplefilter("error", nanwatch.NanwatchWarning)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     results: dict[str, Any] = {}
