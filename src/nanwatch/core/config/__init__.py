@@ -228,11 +228,10 @@ class WatchConfig(BaseModel):
 
     @field_validator("headroom_warn_fraction", "underflow_warn_fraction", mode="before")
     @classmethod
-    def _a_number_not_a_boolean(cls, value: Any, info: ValidationInfo) -> Any:
-        if isinstance(value, bool):
-            raise ValueError(f"expected a number in (0, 1], not a boolean, got {value!r}")
-        # 0 switches the headroom warnings off, as null does.
-        return None if value == 0 and info.field_name == "headroom_warn_fraction" else value
+    def _zero_is_off(cls, value: Any, info: ValidationInfo) -> Any:
+        # 0 switches the headroom warnings off, as null does; a boolean (False == 0) is left to `_no_booleans`.
+        off = value == 0 and not isinstance(value, bool) and info.field_name == "headroom_warn_fraction"
+        return None if off else value
 
     @field_validator("headroom_warn_fraction", "underflow_warn_fraction")
     @classmethod
@@ -266,8 +265,6 @@ class WatchConfig(BaseModel):
     @field_validator("min_loss_scale", mode="before")
     @classmethod
     def _a_positive_scale(cls, value: Any) -> Any:
-        if isinstance(value, bool):
-            raise ValueError(f"expected a positive number or null, not a boolean, got {value!r}")
         if value is not None and isinstance(value, (int, float)) and not (0 < value < math.inf):
             raise ValueError(f"expected a positive, finite loss scale or null, got {value!r}")
         return value
