@@ -156,3 +156,25 @@ def test_watching_a_loaded_model_again_clears_the_no_ops_its_pickle_left(tmp_pat
     again.step()
     again.close()
     assert _hooks(loaded) == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("overrides", list(MODES.values()), ids=list(MODES))
+def test_a_loaded_watched_model_compiles_without_a_graph_break_at_the_no_ops(
+    overrides: dict[str, Any], tmp_path: Path
+) -> None:
+    # A module hook of ours pickles as a plain Python no-op torch.compile traces inline; `sys.audit` (what any other
+    # hook of ours pickles as) is a builtin Dynamo stops at: it broke the graph at every module.
+    from torch._dynamo.utils import counters
+
+    model, optimizer, handle = _watch(tmp_path, overrides)
+    _train_step(model, optimizer, handle, torch.randn(3, 4))
+    loaded = pickle.loads(pickle.dumps(model))
+    handle.close()
+    assert _hooks(loaded)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(loaded, backend="aot_eager")
+    x = torch.randn(3, 4)
+    assert torch.equal(compiled(x), loaded(x))
+    assert dict(counters["graph_break"]) == {}

@@ -117,31 +117,49 @@ def recomputing() -> bool:
 
 # ------------------------------------------------------------------------------ pickles and deep copies
 
-# The audit event a pickled hook of ours raises: `sys.audit` does nothing while no audit hook listens (and the event
-# says what it is to one that does). `functools.partial(sys.audit, ...)` is a no-op that takes any arguments, returns
-# None, and loads with nothing but the standard library.
+# What a pickled hook of ours becomes: a no-op of the standard library, so the file loads without nanwatch. For a
+# module's hook, whose arguments are known (a forward hook: module, args[, kwargs], output; a pre-hook: module,
+# args[, kwargs]), a plain Python function that takes four and returns None, `AbstractContextManager.__exit__`, with
+# `None` for the arguments a hook does not get: torch.compile traces it inline, so a loaded model compiles without a
+# graph break per module. For any other hook, `sys.audit` with an event of its own (any arguments; it does nothing
+# while no audit hook listens, and says what it is to one that does).
 _UNWATCHED_EVENT = "nanwatch.unwatched"
+_NOTHING = contextlib.AbstractContextManager.__exit__  # (self, exc_type, exc_value, traceback) -> None
 
 
-def pickled_away() -> tuple[Any, ...]:
-    """What a hook of ours pickles as (its `__reduce__`): the standard library's no-op, not the hook."""
+def pickled_away(arity: int | None = None) -> tuple[Any, ...]:
+    """What a hook of ours called with `arity` arguments (None: not known) pickles as (its `__reduce__`)."""
+    if arity is not None and 1 <= arity <= 4:
+        return (functools.partial, (_NOTHING, *([None] * (4 - arity))))
     return (functools.partial, (sys.audit, _UNWATCHED_EVENT))
 
 
 def pickled_module_hook() -> tuple[Any, ...]:
-    """What a `ModuleHook` pickles as: an object whose `forward_hook` (what the pickle of the bound method in the hook
-    dict reads back) is the no-op of `pickled_away`."""
-    return (types.SimpleNamespace, (), {"forward_hook": _NoOp()})
+    """What a `ModuleHook` (a forward hook with keyword inputs: four arguments) pickles as: an object whose
+    `forward_hook` (what the pickle of the bound method in the hook dict reads back) is the no-op of `pickled_away`."""
+    return (types.SimpleNamespace, (), {"forward_hook": _NoOp(4)})
 
 
 def is_pickled_away(hook: Any) -> bool:
     """True for what a hook of ours became in a pickle (`pickled_away`), once loaded."""
-    return (
-        type(hook) is functools.partial
-        and hook.func is sys.audit
-        and hook.args == (_UNWATCHED_EVENT,)
-        and not hook.keywords
-    )
+    if type(hook) is not functools.partial or hook.keywords:
+        return False
+    if hook.func is sys.audit:
+        return hook.args == (_UNWATCHED_EVENT,)
+    return hook.func is _NOTHING and len(hook.args) <= 3 and all(arg is None for arg in hook.args)
+
+
+def _arity(handle: RemovableHandle) -> int | None:
+    """How many arguments torch calls the hook of a module's `handle` with: a forward hook's handle carries the
+    with-kwargs and always-call marks (two extra dicts), a pre-hook's the with-kwargs mark alone; None for any other
+    hook (a tensor's, an optimizer's)."""
+    extra = [ref() for ref in getattr(handle, "extra_dict_ref", ())]
+    if not extra or extra[0] is None:
+        return None
+    with_kwargs = handle.id in extra[0]
+    if len(extra) == 2:
+        return 4 if with_kwargs else 3
+    return 3 if with_kwargs else 2
 
 
 def _leaves_by_itself(hook: object) -> bool:
@@ -157,16 +175,20 @@ def _stand_in() -> Any:
 
 
 class _NoOp(functools.partial):  # type: ignore[type-arg]
-    """A no-op hook (any arguments, returns None) that pickles as `pickled_away`."""
+    """A no-op hook (any arguments, returns None) that pickles as `pickled_away(arity)`."""
 
-    def __new__(cls) -> _NoOp:
-        return super().__new__(cls, sys.audit, _UNWATCHED_EVENT)
+    arity: int | None
+
+    def __new__(cls, arity: int | None = None) -> _NoOp:
+        made = super().__new__(cls, sys.audit, _UNWATCHED_EVENT)
+        made.arity = arity
+        return made
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return pickled_away()
+        return pickled_away(self.arity)
 
     def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
-        return pickled_away()
+        return pickled_away(self.arity)
 
 
 # Where each hook of ours sits: the handle of its registration, under `id()` of the hook (of a `ModuleHook` for its
@@ -223,13 +245,16 @@ def copied_away(hook: Any, memo: dict[int, Any]) -> Any:
 
 class _Own(functools.partial):  # type: ignore[type-arg]
     """One of nanwatch's hooks, as the hook dict holds it: called as the hook itself (by C code, no frame of its own),
-    pickled as a no-op (`pickled_away`) and left out of deep copies (`copied_away`)."""
+    pickled as a no-op (`pickled_away`, for the arguments it is called with) and left out of deep copies
+    (`copied_away`)."""
+
+    arity: int | None = None
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return pickled_away()
+        return pickled_away(self.arity)
 
     def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
-        return pickled_away()
+        return pickled_away(self.arity)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:
         return copied_away(self, memo)
@@ -270,6 +295,7 @@ class HookSet:
         owner = getattr(hook, "__self__", None)
         if not _leaves_by_itself(owner):  # a ModuleHook leaves pickles and deep copies by itself
             hook = _Own(hook)
+            hook.arity = 4 if with_kwargs else 3
         handle = module.register_forward_hook(hook, with_kwargs=with_kwargs, prepend=prepend)
         self._handles.append(handle)
         self._place(owner if _leaves_by_itself(owner) else hook, handle)
@@ -286,6 +312,7 @@ class HookSet:
             elif hook is not None and hooks is not None:
                 if not isinstance(hook, _Own):
                     hook = hooks[handle.id] = _Own(hook)
+                    hook.arity = _arity(handle)
                 self._place(hook, handle)
         self._handles.append(handle)
 
