@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from tests.counted_store import Counted
 from torch import nn
 from torch._C._distributed_c10d import HashStore
 
@@ -35,29 +36,6 @@ WAIT_S = 5.0
 
 # Real TCP connections to a real store (on this machine one local connect in about thirty takes 5 s): not quick.
 pytestmark = pytest.mark.slow
-
-
-class Counted:
-    """A store that counts the calls made through it (and can be made to fail: `broken`)."""
-
-    def __init__(self, store: Any) -> None:
-        self._store = store
-        self.calls: list[str] = []
-        self.broken = False
-
-    def clone(self) -> Any:
-        return self._store.clone()
-
-    def __getattr__(self, name: str) -> Any:
-        method = getattr(self._store, name)
-
-        def call(*args: Any) -> Any:
-            if self.broken:
-                raise dist.DistNetworkError("the store's host went away")
-            self.calls.append(name)
-            return method(*args)
-
-        return call
 
 
 @pytest.fixture

@@ -6,35 +6,14 @@ from __future__ import annotations
 import concurrent.futures
 import time
 import warnings
-from typing import Any
 
 import pytest
-import torch.distributed as dist
+from tests.counted_store import Counted
 from torch._C._distributed_c10d import HashStore
 
 from nanwatch import NanwatchWarning
 from nanwatch.core.ranks import Detection
 from nanwatch.core.stepvote import StepVote, VoteLost
-
-
-class Counted:
-    """A store that counts the calls made through it (and can be made to fail: `broken`)."""
-
-    def __init__(self, store: Any) -> None:
-        self._store = store
-        self.calls: list[str] = []
-        self.broken = False
-
-    def __getattr__(self, name: str) -> Any:
-        method = getattr(self._store, name)
-
-        def call(*args: Any) -> Any:
-            if self.broken:
-                raise dist.DistNetworkError("the store's host went away")
-            self.calls.append(name)
-            return method(*args)
-
-        return call
 
 
 def _votes(members: int, wait_s: float = 10.0) -> tuple[list[StepVote], list[Counted]]:
