@@ -24,12 +24,12 @@ def lint(session: nox.Session) -> None:
 @nox.session
 def typecheck(session: nox.Session) -> None:
     session.install(TORCH)
-    session.install("-e", ".[all]")
+    session.install("-e", ".[all,dev]")
     session.run("mypy", "src")
 
 
 @nox.session
 def tests(session: nox.Session) -> None:
     session.install(TORCH)
-    session.install("-e", ".[all]")
+    session.install("-e", ".[all,dev]")
     session.run("python", "-m", "pytest", "-q", *session.posargs)
