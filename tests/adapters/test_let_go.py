@@ -8,6 +8,7 @@ from __future__ import annotations
 import gc
 import types
 import weakref
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,12 +28,10 @@ def _model() -> nn.Module:
     return nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.BatchNorm1d(4), nn.Linear(4, 1))
 
 
-def holding(root: object, model: nn.Module, *, beyond: tuple[type, ...] = ()) -> list[str]:
-    """The paths from `root` to any module of `model`, or to a tensor that shares storage with its parameters or
-    buffers (a walk over `gc.get_referents`, not into classes, modules, a function's globals or objects of the types
-    `beyond`)."""
-    storages = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())} - {0}
-    modules = {id(module) for module in model.modules()}
+def _paths_to(root: object, wanted: Callable[[object], str | None], beyond: tuple[type, ...]) -> list[str]:
+    """The paths from `root` to every object `wanted` names (it returns what to show after the path, or None to walk
+    on): a walk over `gc.get_referents`, not into classes, modules, frames or objects of the types `beyond` (a
+    function's closure and defaults, not its globals)."""
     seen = {id(root)}
     stack: list[tuple[object, str]] = [(root, type(root).__name__)]
     found = []
@@ -48,12 +47,25 @@ def holding(root: object, model: nn.Module, *, beyond: tuple[type, ...] = ()) ->
                 continue
             seen.add(id(ref))
             where = f"{path} -> {type(ref).__name__}"
-            shares = isinstance(ref, torch.Tensor) and not ref.is_meta and ref.untyped_storage().data_ptr() in storages
-            if id(ref) in modules or shares:
-                found.append(where)
+            shown = wanted(ref)
+            if shown is not None:
+                found.append(where + shown)
             else:
                 stack.append((ref, where))
     return found
+
+
+def holding(root: object, model: nn.Module, *, beyond: tuple[type, ...] = ()) -> list[str]:
+    """The paths from `root` to any module of `model`, or to a tensor that shares storage with its parameters or
+    buffers (`_paths_to`)."""
+    storages = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())} - {0}
+    modules = {id(module) for module in model.modules()}
+
+    def of_the_model(ref: object) -> str | None:
+        shares = isinstance(ref, torch.Tensor) and not ref.is_meta and ref.untyped_storage().data_ptr() in storages
+        return "" if id(ref) in modules or shares else None
+
+    return _paths_to(root, of_the_model, beyond)
 
 
 CASES = {
@@ -165,27 +177,8 @@ def test_a_closed_accelerate_tracker_holds_nothing_of_the_model(fresh_accelerate
 
 
 def tensors_held(root: object, *, beyond: tuple[type, ...]) -> list[str]:
-    """The paths from `root` to any tensor (the walk of `holding`)."""
-    seen = {id(root)}
-    stack: list[tuple[object, str]] = [(root, type(root).__name__)]
-    found = []
-    while stack:
-        obj, path = stack.pop()
-        referents: list[Any] = (
-            list(obj.__closure__ or ()) + list(obj.__defaults__ or ())
-            if isinstance(obj, types.FunctionType)
-            else gc.get_referents(obj)
-        )
-        for ref in referents:
-            if isinstance(ref, (type, types.ModuleType, types.FrameType, *beyond)) or id(ref) in seen:
-                continue
-            seen.add(id(ref))
-            where = f"{path} -> {type(ref).__name__}"
-            if isinstance(ref, torch.Tensor):
-                found.append(f"{where} {tuple(ref.shape)}")
-            else:
-                stack.append((ref, where))
-    return found
+    """The paths from `root` to any tensor (`_paths_to`)."""
+    return _paths_to(root, lambda ref: f" {tuple(ref.shape)}" if isinstance(ref, torch.Tensor) else None, beyond)
 
 
 TENSOR_CASES = {
