@@ -181,7 +181,11 @@ def test_lightning_refuses_the_poisoned_checkpoint_and_keeps_the_last_good_one(t
 # ---------------------------------------------------------------------------------------------- Accelerate
 
 
-def test_accelerate_save_state_refuses_before_rotating_anything(tmp_path: Path) -> None:
+def _accelerate_quarantine(
+    tmp_path: Path, make: Callable[[], nn.Module], *, total_limit: int
+) -> tuple[Any, Any, Any, Any]:
+    """A tracker whose guard quarantines, the Accelerator it watches (automatic checkpoint naming, `total_limit`), the
+    prepared model (`make()`) and an SGD that writes nan into the weights at its third step."""
     pytest.importorskip("accelerate")
     from accelerate import Accelerator
     from accelerate.utils import ProjectConfiguration
@@ -189,13 +193,17 @@ def test_accelerate_save_state_refuses_before_rotating_anything(tmp_path: Path) 
     from nanwatch.adapters.accelerate import OverflowTracker
 
     tracker = OverflowTracker(checkpoint_guard="quarantine")
-    # Automatic naming with a limit of one: save_state deletes the older checkpoint before it writes a new one.
-    project = ProjectConfiguration(project_dir=str(tmp_path), automatic_checkpoint_naming=True, total_limit=1)
+    project = ProjectConfiguration(project_dir=str(tmp_path), automatic_checkpoint_naming=True, total_limit=total_limit)
     accelerator = Accelerator(cpu=True, log_with=[tracker], project_config=project)
-    model = small_mlp()
-    optimizer = OverflowingSGD(model.parameters(), at=3)
-    model, optimizer = accelerator.prepare(model, optimizer)
+    model = make()
+    model, optimizer = accelerator.prepare(model, OverflowingSGD(model.parameters(), at=3))
     tracker.attach(accelerator, model)
+    return tracker, accelerator, model, optimizer
+
+
+def test_accelerate_save_state_refuses_before_rotating_anything(tmp_path: Path) -> None:
+    # Automatic naming with a limit of one: save_state deletes the older checkpoint before it writes a new one.
+    tracker, accelerator, model, optimizer = _accelerate_quarantine(tmp_path, small_mlp, total_limit=1)
     saved = tmp_path / "checkpoints"
 
     def train() -> None:
@@ -467,19 +475,7 @@ def test_lightning_quarantine_writes_beside_the_checkpoint_folder(tmp_path: Path
 def test_accelerate_quarantine_leaves_the_checkpoints_folder_to_accelerate(
     tmp_path: Path, make: Callable[[], nn.Module]
 ) -> None:
-    pytest.importorskip("accelerate")
-    from accelerate import Accelerator
-    from accelerate.utils import ProjectConfiguration
-
-    from nanwatch.adapters.accelerate import OverflowTracker
-
-    tracker = OverflowTracker(checkpoint_guard="quarantine")
-    project = ProjectConfiguration(project_dir=str(tmp_path), automatic_checkpoint_naming=True, total_limit=2)
-    accelerator = Accelerator(cpu=True, log_with=[tracker], project_config=project)
-    model = make()
-    optimizer = OverflowingSGD(model.parameters(), at=3)
-    model, optimizer = accelerator.prepare(model, optimizer)
-    tracker.attach(accelerator, model)
+    tracker, accelerator, model, optimizer = _accelerate_quarantine(tmp_path, make, total_limit=2)
     saved = tmp_path / "checkpoints"
 
     def step(x: torch.Tensor, y: torch.Tensor) -> None:
