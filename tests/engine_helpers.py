@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from nanwatch.core.board import DetectionBoard
-from nanwatch.core.engine.deferred_frames import DeferredFrame
+from nanwatch.core.distributed.board import DetectionBoard
+from nanwatch.core.engine.recording.deferred_frames import DeferredFrame
 from nanwatch.core.features.headroom import HeadroomMonitor
 from nanwatch.core.features.loss_scale import LossScaleFeature, LossScaleMonitor
 from nanwatch.core.features.summary import SummaryFeature
@@ -49,8 +49,8 @@ def held_frame_counts(watcher: Watcher) -> tuple[int, int, int]:
 
 
 def deferred_calls(watcher: Watcher) -> int:
-    """How many calls of the micro-batch in progress were deferred (engine/deferral.py), read before anything reads
-    the pending frames (which makes their frames)."""
+    """How many calls of the micro-batch in progress were deferred (engine/recording/deferral.py), read before anything
+    reads the pending frames (which makes their frames)."""
     deferral = watcher._recorder._deferral
     return sum(
         1

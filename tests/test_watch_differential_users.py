@@ -9,7 +9,8 @@ transformers' `DebugUnderflowOverflow` (the oracle) does, or says it cannot.
 - a caller whose in-place change overflows a Linear's output from a later batch: the inf is born in the caller's code;
 - a module called twice in one forward, its second call's output changed in place by the caller.
 
-nanwatch measures some calls' outputs at the end of the micro-batch instead of as they return (core/engine/deferral.py).
+nanwatch measures some calls' outputs at the end of the micro-batch instead of as they return
+(core/engine/recording/deferral.py).
 Where an output was changed in place after its call before that, the frame cannot show what the call returned: its
 line says "changed in place after the call: not measured", and no culprit is drawn from it. Every other line must be
 the oracle's, digit for digit, and the module named culprit must be the oracle's. From the batch after, the module is

@@ -19,9 +19,9 @@ from typing import Any
 import torch
 
 from nanwatch.core.frames import Entry, Frame, Role, resolve
-from nanwatch.core.hooks import HookSet
 from nanwatch.core.report import MODULE_INDENT, TABLE_HEADER, format_entry, format_note_line
 from nanwatch.core.stats.measure import measure
+from nanwatch.core.torch_glue.hooks import HookSet
 from nanwatch.errors import BatchLimitReached, NonFiniteError
 
 __all__ = ["DebugUnderflowOverflow", "detect_overflow"]

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
-from nanwatch.core.ranks import world_size_and_rank
+from nanwatch.core.distributed.ranks import world_size_and_rank
 from nanwatch.errors import NanwatchError, NanwatchWarning
 
 __all__ = ["set_seed", "enable_full_determinism", "main_process_first"]

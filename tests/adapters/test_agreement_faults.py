@@ -1,5 +1,5 @@
-"""The ranks' agreement (core/board.py) around faults of the store and of the launch: two real gloo processes
-(`torch.multiprocessing.spawn`, rank 0 hosting the store), each bounded by a timeout. Scenarios:
+"""The ranks' agreement (core/distributed/board.py) around faults of the store and of the launch: two real gloo
+processes (`torch.multiprocessing.spawn`, rank 0 hosting the store), each bounded by a timeout. Scenarios:
 tests/adapters/scripts/agreement_faults_run.py."""
 
 from __future__ import annotations

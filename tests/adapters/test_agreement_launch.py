@@ -1,5 +1,5 @@
-"""The ranks' agreement (core/board.py) across launches: two real gloo processes under torchrun, each run bounded by a
-timeout. Scenarios: tests/adapters/scripts/agreement_launch_run.py."""
+"""The ranks' agreement (core/distributed/board.py) across launches: two real gloo processes under torchrun, each run
+bounded by a timeout. Scenarios: tests/adapters/scripts/agreement_launch_run.py."""
 
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ from tests.engine_helpers import fail_internally
 from torch import nn
 
 import nanwatch
-from nanwatch.core.engine.deferred_frames import DeferredFrame
+from nanwatch.core.engine.recording.deferred_frames import DeferredFrame
 from nanwatch.core.frames import Frame
 
 

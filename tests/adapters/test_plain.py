@@ -23,8 +23,8 @@ from torch import nn
 
 import nanwatch
 import nanwatch.core.stats.cache
+import nanwatch.core.stats.grouped
 import nanwatch.core.stats.measure
-import nanwatch.core.stats.stacking
 from nanwatch import BatchLimitReached, NanwatchWarning, NonFiniteError, WatchHandle, watch
 from nanwatch.core.frames import ResolvedFrame, resolve
 from nanwatch.core.walk import MAX_DEPTH, MAX_LEAVES
@@ -712,7 +712,7 @@ def test_an_internal_failure_disables_watching_and_training_continues(monkeypatc
         handle.step()
         # Every module that calls measure(): the cache (activations, losses, untracked parameters) and the stacks
         # (the tracked parameters measured one by one).
-        for module in (nanwatch.core.stats.cache, nanwatch.core.stats.stacking):
+        for module in (nanwatch.core.stats.cache, nanwatch.core.stats.grouped):
             monkeypatch.setattr(module, "measure", broken)
         with pytest.warns(NanwatchWarning, match="stopped watching.*simulated bookkeeping bug"):
             model(x).sum().backward()

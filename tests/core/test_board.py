@@ -1,4 +1,5 @@
-"""core/board.py at scale and under faults: many ranks as threads, each with its own connection to one real TCPStore.
+"""core/distributed/board.py at scale and under faults: many ranks as threads, each with its own connection to
+one real TCPStore.
 
 What is counted is real: each simulated rank talks to the store through `Counted`, which passes every call on and
 counts it (the listener's connection, from `clone()`, is the store's own and is not counted: it makes one blocking
@@ -25,11 +26,11 @@ from torch import nn
 from torch._C._distributed_c10d import HashStore
 
 from nanwatch import NanwatchWarning, NonFiniteError, WatchConfig
-from nanwatch.core import board as board_module
-from nanwatch.core import listener as listener_module
-from nanwatch.core.board import DetectionBoard, StoreLost, board_prefix
-from nanwatch.core.listener import BellListener, PolledBell
-from nanwatch.core.ranks import Detection
+from nanwatch.core.distributed import board as board_module
+from nanwatch.core.distributed import listener as listener_module
+from nanwatch.core.distributed.board import DetectionBoard, StoreLost, board_prefix
+from nanwatch.core.distributed.listener import BellListener, PolledBell
+from nanwatch.core.distributed.ranks import Detection
 from nanwatch.core.watcher import Watcher
 
 WAIT_S = 5.0
@@ -98,7 +99,7 @@ def test_64_ranks_agree_on_the_frames_rank_with_a_bounded_number_of_round_trips(
     assert results == [Detection(5, 17, "train", "frames")] * 64
     trips = sorted(len(counted.calls) for _, counted in made)
     # append, add, ack add, ack wait (or set): 4 for every rank; the one that completed the count also read the
-    # posts, wrote the verdict key once and rang every bell: 7 (core/board.py's docstring).
+    # posts, wrote the verdict key once and rang every bell: 7 (core/distributed/board.py's docstring).
     assert trips[:-1] == [4] * 63
     assert trips[-1] == 7
     for board in boards:
@@ -200,7 +201,7 @@ def test_a_lost_store_turns_the_agreement_off_with_one_warning_and_the_rank_stop
 
 
 def test_a_listener_whose_connection_dies_falls_back_to_polling(server: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("nanwatch.core.listener.POLL_INTERVAL_S", 0.0)
+    monkeypatch.setattr("nanwatch.core.distributed.listener.POLL_INTERVAL_S", 0.0)
     main = _client(server)
 
     class DeadConnection:

@@ -19,8 +19,8 @@ from torch._dynamo.utils import counters
 
 import nanwatch
 from nanwatch import NanwatchWarning, NonFiniteError
-from nanwatch.core.compiler import with_compiled_code
 from nanwatch.core.frames import ResolvedFrame, resolve
+from nanwatch.core.torch_glue.compiler import with_compiled_code
 
 Order = Callable[[nn.Module, str], tuple[nn.Module, nanwatch.WatchHandle]]
 

@@ -1,4 +1,4 @@
-"""Deferred recording (core/engine/recorder.py): from a module's second recorded batch on, a call with one tensor in
+"""Deferred recording (core/engine/recording/): from a module's second recorded batch on, a call with one tensor in
 and one small float tensor out keeps a reference to its output and makes its frame at the check. What the frames say
 must not change: these tests run several batches, so that the later ones are deferred, and compare every line with
 the numbers computed directly (the same tensors; abs min and max are exact, so equality holds)."""

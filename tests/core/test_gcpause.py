@@ -1,4 +1,4 @@
-"""core/gcpause.py and its use by the engine: Python's automatic garbage collection pauses from a watched full-mode
+"""core/torch_glue/gcpause.py and its use by the engine: automatic garbage collection pauses from a watched full-mode
 micro-batch's start to its check, and comes back however the micro-batch ends (a clean step, a detection at the
 optimizer step, close, the next watcher's check after one was abandoned mid-batch); the collector's switch is the
 user's (a `gc.disable()` or `gc.enable()` made before or during a micro-batch holds after it), and `pause_gc=False`
@@ -16,10 +16,10 @@ import torch
 from torch import nn
 
 import nanwatch
-import nanwatch.core.engine.recorder
-import nanwatch.core.gcpause
+import nanwatch.core.engine.recording.recorder
+import nanwatch.core.torch_glue.gcpause
 from nanwatch import NonFiniteError
-from nanwatch.core.gcpause import collection_paused, pause_collection, resume_collection
+from nanwatch.core.torch_glue.gcpause import collection_paused, pause_collection, resume_collection
 
 
 @pytest.fixture(autouse=True)
@@ -244,7 +244,7 @@ def test_pause_gc_false_and_sentinel_mode_leave_the_collector_alone(overrides: d
 
 
 def test_a_loop_that_never_ends_its_micro_batch_gets_the_collector_back(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(nanwatch.core.engine.recorder, "MAX_PENDING_FRAMES", 20)
+    monkeypatch.setattr(nanwatch.core.engine.recording.recorder, "MAX_PENDING_FRAMES", 20)
     model = _model()
     seen = []
     with nanwatch.watch(model):  # step() never called: one micro-batch that goes on and on
@@ -257,7 +257,7 @@ def test_a_loop_that_never_ends_its_micro_batch_gets_the_collector_back(monkeypa
 
 def test_a_pause_no_micro_batch_renews_is_resumed_by_the_watchdog(monkeypatch: pytest.MonkeyPatch) -> None:
     # A handle abandoned mid-batch in a notebook (the user's loop raised), and nanwatch never used again.
-    monkeypatch.setattr(nanwatch.core.gcpause, "PAUSE_LIMIT_S", 0.4)
+    monkeypatch.setattr(nanwatch.core.torch_glue.gcpause, "PAUSE_LIMIT_S", 0.4)
     model = _model()
     handle = nanwatch.watch(model)
     model(torch.randn(2, 3))

@@ -1,4 +1,4 @@
-"""core/hooks.py: every module once under its first name; every handle kept, so every hook can be removed."""
+"""core/torch_glue/hooks.py: every module once under its first name; every handle kept, so every hook can be removed."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from nanwatch.core.hooks import HookSet, named_unique_modules
+from nanwatch.core.torch_glue.hooks import HookSet, named_unique_modules
 
 
 class Shared(nn.Module):

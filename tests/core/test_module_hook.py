@@ -1,4 +1,5 @@
-"""core/engine/module_hook.py and core/hooks.py: nanwatch's hooks stay out of a watched model's pickles and deep copies.
+"""core/engine/recording/module_hook.py and core/torch_glue/hooks.py: nanwatch's hooks stay out of a watched model's
+pickles and deep copies.
 `torch.save(model)` and `pickle` work mid-training and store each hook of ours as a no-op of the standard library; a
 deep copy (an EMA copy) is not watched and gets no hook of ours at all; the watched model goes on being watched. Real
 modules, no mocks."""
@@ -21,7 +22,7 @@ from tests.models import small_mlp
 
 import nanwatch
 from nanwatch import NonFiniteError
-from nanwatch.core.hooks import is_pickled_away
+from nanwatch.core.torch_glue.hooks import is_pickled_away
 
 # Every dict of a module that holds hooks, or the marks of the hooks (with_kwargs, always_call).
 HOOK_DICTS = (

@@ -1,4 +1,4 @@
-"""core/board.py and the engine's use of it: ranks agree on who saw inf/nan first, whatever the scheduling.
+"""core/distributed/board.py and the engine's use of it: ranks agree on who saw inf/nan first, whatever the scheduling.
 
 Two ranks in one process: threads (or one thread acting in a fixed order) against one real in-memory c10d store
 (`HashStore`, the same protocol as the TCPStore of a real run; tests/core/test_board.py runs many ranks against a
@@ -18,8 +18,8 @@ from torch import nn
 from torch._C._distributed_c10d import HashStore
 
 from nanwatch import NonFiniteError, WatchConfig
-from nanwatch.core.board import DetectionBoard
-from nanwatch.core.ranks import Detection
+from nanwatch.core.distributed.board import DetectionBoard
+from nanwatch.core.distributed.ranks import Detection
 from nanwatch.core.watcher import Watcher
 
 WAIT_S = 2.0
@@ -27,8 +27,8 @@ WAIT_S = 2.0
 
 @pytest.fixture
 def store() -> Any:
-    # In a real run each rank's board derives its keys from the group and the model (core/board.py board_prefix);
-    # here both ranks' boards are given the same keys, the default prefix.
+    # In a real run each rank's board derives its keys from the group and the model (core/distributed/board.py
+    # board_prefix); here both ranks' boards are given the same keys, the default prefix.
     return HashStore()
 
 

@@ -1,5 +1,5 @@
-"""core/stepvote.py: the vote every rank takes before each optimizer step under `on_detect="skip"`, with ranks as
-threads on one in-memory store; every call to the store is counted."""
+"""core/distributed/stepvote.py: the vote every rank takes before each optimizer step under `on_detect="skip"`, with
+ranks as threads on one in-memory store; every call to the store is counted."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from tests.counted_store import Counted
 from torch._C._distributed_c10d import HashStore
 
 from nanwatch import NanwatchWarning
-from nanwatch.core.ranks import Detection
-from nanwatch.core.stepvote import StepVote, VoteLost
+from nanwatch.core.distributed.ranks import Detection
+from nanwatch.core.distributed.stepvote import StepVote, VoteLost
 
 
 def _votes(members: int, wait_s: float = 10.0) -> tuple[list[StepVote], list[Counted]]:

@@ -13,13 +13,13 @@ from torch import nn
 
 import nanwatch.core.engine.checker
 import nanwatch.core.engine.publisher
-import nanwatch.core.engine.recorder
+import nanwatch.core.engine.recording.recorder
 import nanwatch.core.features.headroom
 import nanwatch.core.report
 import nanwatch.core.scope
 import nanwatch.core.stats.cache
+import nanwatch.core.stats.grouped
 import nanwatch.core.stats.measure
-import nanwatch.core.stats.stacking
 from nanwatch import BatchLimitReached, ConfigError, NanwatchWarning, NonFiniteError, WatchConfig
 from nanwatch.core.frames import ResolvedFrame, resolve
 from nanwatch.core.watcher import Watcher
@@ -419,8 +419,8 @@ def test_weights_changed_between_train_and_eval_are_remeasured() -> None:
 
 
 def test_pending_frames_stay_bounded_when_batches_never_end(monkeypatch: pytest.MonkeyPatch) -> None:
-    # Read once by the recorder, for its `append` and the modules' hooks (core/engine/module_hook.py) alike.
-    monkeypatch.setattr(nanwatch.core.engine.recorder, "MAX_PENDING_FRAMES", 20)
+    # Read once by the recorder, for its `append` and the modules' hooks (core/engine/recording/module_hook.py) alike.
+    monkeypatch.setattr(nanwatch.core.engine.recording.recorder, "MAX_PENDING_FRAMES", 20)
     model = small_mlp(out_features=2)
     watcher = Watcher(model, WatchConfig(max_frames_to_save=7))
     watcher.attach()
@@ -449,7 +449,7 @@ def test_a_failure_in_measuring_disables_watching_and_the_run_goes_on(monkeypatc
 
     # Every module that calls measure(): the cache (activations, losses, untracked parameters) and the stacks
     # (the tracked parameters measured one by one).
-    for module in (nanwatch.core.stats.cache, nanwatch.core.stats.stacking):
+    for module in (nanwatch.core.stats.cache, nanwatch.core.stats.grouped):
         monkeypatch.setattr(module, "measure", broken)
     with pytest.warns(NanwatchWarning, match="simulated bookkeeping bug"):
         output = model(x)

@@ -22,7 +22,7 @@ import torch
 
 from nanwatch.adapters._checks import real_optimizer
 from nanwatch.core.contract import AdapterContract
-from nanwatch.core.events import QUARANTINE_FOLDER, WriteAside
+from nanwatch.core.feature_api import QUARANTINE_FOLDER, WriteAside
 
 __all__ = ["guard_lightning_saves", "guard_accelerate_saves", "verify_trainer_save", "save_checked"]
 

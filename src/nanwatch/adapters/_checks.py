@@ -10,9 +10,9 @@ from typing import Any, TypeAlias
 
 import torch
 
-from nanwatch.core.compiler import compiled_inner
 from nanwatch.core.config import WatchConfig
-from nanwatch.core.hooks import wrapped_module
+from nanwatch.core.torch_glue.compiler import compiled_inner
+from nanwatch.core.torch_glue.hooks import wrapped_module
 from nanwatch.errors import ConfigError
 
 __all__ = [
@@ -52,7 +52,8 @@ def optional_base(module: str, name: str) -> tuple[Any, ImportError | None]:
 
 def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
     """The module inside DistributedDataParallel/DataParallel wrappers, so names read `encoder.0`, not
-    `module.encoder.0`; and inside a wrapper at the top that core/hooks.py leaves out (FSDP1, `checkpoint_wrapper`)."""
+    `module.encoder.0`; and inside a wrapper at the top that core/torch_glue/hooks.py leaves out (FSDP1,
+    `checkpoint_wrapper`)."""
     while True:
         if isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
             model = model.module

@@ -16,8 +16,8 @@ from torch import Tensor
 from nanwatch.adapters import _common
 from nanwatch.core.config import resolve_config
 from nanwatch.core.contract import AdapterContract
-from nanwatch.core.hooks import named_unique_modules
 from nanwatch.core.log import get_logger
+from nanwatch.core.torch_glue.hooks import named_unique_modules
 from nanwatch.core.watcher import Watcher
 from nanwatch.errors import BatchLimitReached, NonFiniteError
 
@@ -62,7 +62,7 @@ class OverflowCallback(Callback):
         if self._counters is not None:
             watcher.load_state_dict(self._counters)
         # The LightningModule itself is left out: under DDP its forward runs as the wrapper's, elsewhere not at all.
-        # Named as everywhere (FSDP's and checkpointing's wrappers left out of the names: core/hooks.py).
+        # Named as everywhere (FSDP's and checkpointing's wrappers left out of the names: core/torch_glue/hooks.py).
         watcher.attach((name, module) for name, module in named_unique_modules(pl_module) if module is not pl_module)
         if not trainer.is_global_zero:
             watcher.summary_sink = None  # Lightning's loggers write on rank zero only: no read-back elsewhere

@@ -1,8 +1,8 @@
 """nanwatch's framework-neutral core: the engine, its features, statistics, frames, reports, formats, config.
 
 Layers, each importing only those below it (enforced by import-linter, see pyproject.toml): errors -> leaves (config,
-log, walk, hooks, ranks, scope) -> stats -> frames -> report -> events -> formats -> features -> watcher. The names
-below are imported when first used, so reading reports (`nanwatch show`) never imports torch.
+log, walk, torch_glue/, scope) -> distributed/ -> stats -> frames -> report -> feature_api -> formats -> engine/ and
+features/ -> watcher. The names below are imported when first used, so reading reports (`nanwatch show`) never imports torch.
 """
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ from typing import TYPE_CHECKING
 from nanwatch._lazy import lazy_exports
 
 if TYPE_CHECKING:
-    from nanwatch.core.board import DetectionBoard
     from nanwatch.core.config import WatchConfig, resolve_config
-    from nanwatch.core.events import EngineContext, Feature
+    from nanwatch.core.distributed.board import DetectionBoard
+    from nanwatch.core.distributed.ranks import Detection, world_size_and_rank
+    from nanwatch.core.feature_api import EngineContext, Feature
     from nanwatch.core.frames import Direction, Entry, Frame, FrameRing, ResolvedEntry, ResolvedFrame, Role
-    from nanwatch.core.ranks import Detection, world_size_and_rank
     from nanwatch.core.report import Report
     from nanwatch.core.stats.cache import StatsCache
     from nanwatch.core.stats.measure import Measurement, measure
@@ -50,8 +50,8 @@ _HOMES = {
     "ConfigError": "nanwatch.errors",
     "WatchConfig": "nanwatch.core.config",
     "resolve_config": "nanwatch.core.config",
-    "EngineContext": "nanwatch.core.events",
-    "Feature": "nanwatch.core.events",
+    "EngineContext": "nanwatch.core.feature_api",
+    "Feature": "nanwatch.core.feature_api",
     "Direction": "nanwatch.core.frames",
     "Entry": "nanwatch.core.frames",
     "Frame": "nanwatch.core.frames",
@@ -59,9 +59,9 @@ _HOMES = {
     "ResolvedEntry": "nanwatch.core.frames",
     "ResolvedFrame": "nanwatch.core.frames",
     "Role": "nanwatch.core.frames",
-    "Detection": "nanwatch.core.ranks",
-    "DetectionBoard": "nanwatch.core.board",
-    "world_size_and_rank": "nanwatch.core.ranks",
+    "Detection": "nanwatch.core.distributed.ranks",
+    "DetectionBoard": "nanwatch.core.distributed.board",
+    "world_size_and_rank": "nanwatch.core.distributed.ranks",
     "Report": "nanwatch.core.report",
     "Measurement": "nanwatch.core.stats.measure",
     "StatsCache": "nanwatch.core.stats.cache",

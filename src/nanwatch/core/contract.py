@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
 
-from nanwatch.core.events import KEEP, EngineState, Kept, OptimizerStage, Phase, WriteAside
+from nanwatch.core.feature_api import KEEP, EngineState, Kept, OptimizerStage, Phase, WriteAside
 
 if TYPE_CHECKING:
     import torch

@@ -4,12 +4,12 @@ Adapters (the plain loop, Lightning, Accelerate, the HF Trainer) call the member
 say when a micro-batch starts and ends, where the optimizer step is, and hand over the loss and the loss scaler.
 Where each thing happens:
 
-- core/engine/recorder.py: the hooks, the frames they make (eager and compiled), the pending frames;
+- core/engine/recording/recorder.py: the hooks, the frames they make (eager and compiled), the pending frames;
 - core/engine/counters.py: the phase and the counters (batch numbers, optimizer step, epoch);
 - core/engine/checker.py: the check (one host read), the reports, the ring of earlier frames;
 - core/engine/arbiter.py: a detection from found to held to agreed across ranks to raised;
 - core/engine/publisher.py: the report into the log and onto disk;
-- core/engine/plugins.py: the features (core/features/), which plug into the events of core/events.py;
+- core/engine/feature_set.py: the features (core/features/), which plug into the events of core/feature_api.py;
 - core/engine/readings.py: what the facade offers to read (counters, readouts, recent frames).
 """
 
@@ -22,33 +22,33 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import torch
 
-from nanwatch.core.compiler import (
+from nanwatch.core.config import WatchConfig
+from nanwatch.core.contract import AdapterContract
+from nanwatch.core.distributed.ranks import Detection, world_size_and_rank
+from nanwatch.core.engine.assembly import assemble
+from nanwatch.core.engine.counters import PHASES
+from nanwatch.core.engine.feature_context import Fixed
+from nanwatch.core.engine.held_model import Held
+from nanwatch.core.engine.nothing_recorded import nothing_recorded
+from nanwatch.core.engine.readings import Readings
+from nanwatch.core.engine.recording.recorder import hook_code, own_code
+from nanwatch.core.feature_api import KEEP, Feature, Kept, OptimizerStage, Phase, WriteAside
+from nanwatch.core.features import features_for
+from nanwatch.core.formats.files import prepare_report_dir
+from nanwatch.core.frames import ResolvedFrame, resolve
+from nanwatch.core.log import get_logger, warn
+from nanwatch.core.readouts import GradScalerLike, Summary, checked_scaler
+from nanwatch.core.report import Report
+from nanwatch.core.scope import select_modules
+from nanwatch.core.torch_glue.compiler import (
     compiled_anything,
     forget_compiled_code,
     run_outside_dynamo,
     with_compiled_code,
     without_compile_wrappers,
 )
-from nanwatch.core.config import WatchConfig
-from nanwatch.core.contract import AdapterContract
-from nanwatch.core.engine.assembly import assemble
-from nanwatch.core.engine.context import Fixed
-from nanwatch.core.engine.counters import PHASES
-from nanwatch.core.engine.holding import Held
-from nanwatch.core.engine.notices import nothing_recorded
-from nanwatch.core.engine.readings import Readings
-from nanwatch.core.engine.recorder import hook_code, own_code
-from nanwatch.core.events import KEEP, Feature, Kept, OptimizerStage, Phase, WriteAside
-from nanwatch.core.features import features_for
-from nanwatch.core.formats.files import prepare_report_dir
-from nanwatch.core.frames import ResolvedFrame, resolve
-from nanwatch.core.gcpause import pause_collection, resume_collection
-from nanwatch.core.hooks import HookSet, named_unique_modules
-from nanwatch.core.log import get_logger, warn
-from nanwatch.core.ranks import Detection, world_size_and_rank
-from nanwatch.core.readouts import GradScalerLike, Summary, checked_scaler
-from nanwatch.core.report import Report
-from nanwatch.core.scope import select_modules
+from nanwatch.core.torch_glue.gcpause import pause_collection, resume_collection
+from nanwatch.core.torch_glue.hooks import HookSet, named_unique_modules
 from nanwatch.errors import BatchLimitReached
 
 __all__ = ["KEEP", "PHASES", "Watcher"]
@@ -192,7 +192,7 @@ class Watcher(Readings):
         self.set_phase(phase)
         self._counters.set(optimizer_step, epoch)
         if self._recorder.recording and self.config.pause_gc and self.config.mode == "full":
-            pause_collection()  # until this micro-batch is checked (core/gcpause.py)
+            pause_collection()  # until this micro-batch is checked (core/torch_glue/gcpause.py)
         if phase == "train":
             self._counters.batch_started = True
             # Under on_detect="skip" a verdict is acted on at the optimizer step (where it skips), never here.
@@ -235,7 +235,7 @@ class Watcher(Readings):
             )
 
     def _say_if_nothing_recorded(self) -> None:
-        """A watched training batch that recorded no frame at all: say so, once (core/engine/notices.py)."""
+        """A watched training batch that recorded no frame at all: say so, once (core/engine/nothing_recorded.py)."""
         recorded, self._checker.batch_recorded = self._checker.batch_recorded, False
         if recorded or self._told_nothing_recorded or not self._recorder.recording or self.config.mode != "full":
             return
@@ -321,7 +321,8 @@ class Watcher(Readings):
     def outside_graph(
         self, module: torch.nn.Module, hook: Callable[..., Any], *placeholders: Any
     ) -> Callable[..., Any]:
-        """An adapter's `hook` on `module`, as a hook a compiled graph does not trace (core/engine/recorder.py)."""
+        """An adapter's `hook` on `module`, as a hook a compiled graph does not trace
+        (core/engine/recording/recorder.py)."""
         return self._recorder.outside_graph(module, hook, *placeholders)
 
     # ------------------------------------------------------------------------------------------ bookkeeping

@@ -37,7 +37,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import nanwatch
-from nanwatch.core import listener
+from nanwatch.core.distributed import listener
 
 WAIT_S = 3.0
 

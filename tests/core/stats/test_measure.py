@@ -14,10 +14,10 @@ import torch
 from nanwatch.core.frames import Entry, Frame, Role, resolve
 from nanwatch.core.report import format_entry
 from nanwatch.core.stats.cache import StatsCache
+from nanwatch.core.stats.grouped import MagnitudePlan
 from nanwatch.core.stats.kernels import FLOAT8_DTYPES, count_non_finite
 from nanwatch.core.stats.measure import Measurement, measure
 from nanwatch.core.stats.readback import holds_non_finite, read_flags
-from nanwatch.core.stats.stacking import MagnitudePlan
 
 
 def find_non_finite(frames: list[Frame]) -> bool:

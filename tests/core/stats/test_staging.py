@@ -9,10 +9,10 @@ import threading
 import pytest
 import torch
 
-from nanwatch.core.stats import staging
+from nanwatch.core.stats import output_rows as staging
 from nanwatch.core.stats.cache import StatsCache
 from nanwatch.core.stats.measure import StackedMeasurement
-from nanwatch.core.stats.staging import STAGE_MAX_NUMEL, StagedRows, Staging
+from nanwatch.core.stats.output_rows import STAGE_MAX_NUMEL, StagedRows, Staging
 
 FLOATS = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 

@@ -10,7 +10,7 @@ One small state machine per watcher:
   step, where a nan on any rank has reached every rank's gradients. In a single process nothing is held (the
   detection is raised at once) unless `on_detect="skip"`, which acts at the step. With no guarded optimizer there
   is no step to wait for: it is raised at once too.
-- *agreed*: ranks settle on one detection through the store (core/ranks.py; no collective): the earliest batch,
+- *agreed*: ranks settle on one detection through the store (core/distributed/; no collective): the earliest batch,
   then the lowest rank, a rank that saw inf/nan itself before one that saw only the shared gradients.
 - *raised*: every rank raises the same `NonFiniteError`; the detecting rank's carries its report. The machine is
   clear again (a loop that catches the error and goes on starts afresh).
@@ -19,7 +19,7 @@ One small state machine per watcher:
   micro-batch joins `report_dir/skipped.jsonl`, and the machine is clear again on fresh keys. The
   `max_consecutive_skips + 1`-th detection in a row raises `StepsSkippedInARow` instead.
 
-Under `on_detect="skip"` with more than one rank, the ranks vote before every optimizer step (core/stepvote.py):
+Under `on_detect="skip"` with more than one rank, the ranks vote before every optimizer step (stepvote.py):
 each learns, before it steps, whether any rank detected inf/nan in that step's window, so every rank skips the same
 step whatever the rank-local cause (an inf in a diagnostic output that never reaches the gradients, a spike on one
 rank). The vote replaces the board's settling there; the board still carries what raises (evaluation, `check()`).
@@ -41,15 +41,15 @@ from typing import NoReturn
 
 import torch
 
-from nanwatch.core.board import DetectionBoard, StoreLost
+from nanwatch.core.distributed.board import DetectionBoard, StoreLost
+from nanwatch.core.distributed.ranks import Detection, Kind
+from nanwatch.core.distributed.stepvote import StepVote, VoteLost
 from nanwatch.core.engine.counters import Counters
 from nanwatch.core.engine.publisher import Publisher
 from nanwatch.core.frames import counter_name
 from nanwatch.core.log import warn
 from nanwatch.core.optimizers import skips_this_step
-from nanwatch.core.ranks import Detection, Kind
 from nanwatch.core.report import Report
-from nanwatch.core.stepvote import StepVote, VoteLost
 from nanwatch.errors import NonFiniteError, StepsSkippedInARow
 
 __all__ = ["Arbiter", "SKIP_LIST", "Stage", "kind_of"]
@@ -196,7 +196,7 @@ class Arbiter:
 
     def _vote(self, scaler_skips: bool) -> None:
         """Before an optimizer step, with skip and more than one rank: every rank learns whether any rank detected
-        inf/nan in this step's window, and every rank applies or skips it alike (core/stepvote.py)."""
+        inf/nan in this step's window, and every rank applies or skips it alike (core/distributed/stepvote.py)."""
         assert self._votes is not None
         if self._held is None and self.posted_elsewhere():  # a verdict that raises (evaluation, check())
             self._settle(hold=False, wait=True)

@@ -5,20 +5,20 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import NamedTuple
 
-from nanwatch.core.board import DetectionBoard
+from nanwatch.core.distributed.board import DetectionBoard
+from nanwatch.core.distributed.stepvote import StepVote
 from nanwatch.core.engine.arbiter import Arbiter
 from nanwatch.core.engine.checker import Checker
-from nanwatch.core.engine.context import EngineView, Facade, Fixed
 from nanwatch.core.engine.counters import Counters
-from nanwatch.core.engine.plugins import FeatureSet
+from nanwatch.core.engine.feature_context import EngineView, Facade, Fixed
+from nanwatch.core.engine.feature_set import FeatureSet
 from nanwatch.core.engine.publisher import Publisher
-from nanwatch.core.engine.recorder import Recorder
-from nanwatch.core.events import Feature
+from nanwatch.core.engine.recording.recorder import Recorder
+from nanwatch.core.feature_api import Feature
 from nanwatch.core.readouts import LOSS_SCALE_HISTORY
 from nanwatch.core.scope import BatchSchedule
 from nanwatch.core.stats.cache import StatsCache
 from nanwatch.core.stats.measure import extra_kernels
-from nanwatch.core.stepvote import StepVote
 
 __all__ = ["Parts", "assemble"]
 

@@ -14,15 +14,15 @@ import torch
 
 from nanwatch.core.config import WatchConfig
 from nanwatch.core.engine.counters import Counters
-from nanwatch.core.engine.deferred_frames import DeferredFrame
-from nanwatch.core.engine.plugins import FeatureSet
-from nanwatch.core.engine.recorder import Recorder
-from nanwatch.core.events import EngineContext, Feature
+from nanwatch.core.engine.feature_set import FeatureSet
+from nanwatch.core.engine.recording.deferred_frames import DeferredFrame
+from nanwatch.core.engine.recording.recorder import Recorder
+from nanwatch.core.feature_api import EngineContext, Feature
 from nanwatch.core.frames import Frame, FrameRing, ResolvedFrame, resolve
-from nanwatch.core.gcpause import resume_collection
 from nanwatch.core.report import Report, ReportSection
 from nanwatch.core.stats.cache import StatsCache
 from nanwatch.core.stats.readback import read_flags, stack_maxima
+from nanwatch.core.torch_glue.gcpause import resume_collection
 
 __all__ = ["Checker"]
 
@@ -132,7 +132,7 @@ class Checker:
         settled = self._recorder.settled if frames is self._recorder.pending else None
         if settled is not None and settled.stacks:
             # The frames made from deferred calls are not read line by line: their outputs' stacks whole, their
-            # parameters and inputs once (core/engine/deferral.py).
+            # parameters and inputs once (core/engine/recording/deferral.py).
             measurements = [
                 entry.measurement
                 for frame in filterfalse(_is_deferred, frames)  # the frames recorded as they returned (few), found in C

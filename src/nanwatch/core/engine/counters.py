@@ -9,7 +9,7 @@ from typing import Any, Generic, TypeVar, overload
 
 import torch
 
-from nanwatch.core.events import KEEP, Kept, Phase
+from nanwatch.core.feature_api import KEEP, Kept, Phase
 
 __all__ = ["KEEP", "PHASES", "Counters", "Kept"]
 

@@ -6,7 +6,7 @@ import logging
 from collections.abc import Callable
 
 from nanwatch.core.config import WatchConfig
-from nanwatch.core.engine.plugins import FeatureSet
+from nanwatch.core.engine.feature_set import FeatureSet
 from nanwatch.core.formats.files import write_report
 from nanwatch.core.log import warn
 from nanwatch.core.report import Report

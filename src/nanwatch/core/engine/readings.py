@@ -14,13 +14,13 @@ import torch
 
 from nanwatch.core.engine.checker import Checker
 from nanwatch.core.engine.counters import Counters
-from nanwatch.core.engine.plugins import FeatureSet
-from nanwatch.core.engine.recorder import Recorder
-from nanwatch.core.events import Feature, Phase
+from nanwatch.core.engine.feature_set import FeatureSet
+from nanwatch.core.engine.recording.recorder import Recorder
+from nanwatch.core.feature_api import Feature, Phase
 from nanwatch.core.frames import Frame
-from nanwatch.core.hooks import HookSet
 from nanwatch.core.readouts import LOSS_SCALE_HISTORY, SUMMARY, LossScaleHistory, Readout, Summary
 from nanwatch.core.report import Report
+from nanwatch.core.torch_glue.hooks import HookSet
 
 __all__ = ["PartAttribute", "Readings"]
 

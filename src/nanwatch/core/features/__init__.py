@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from nanwatch.core.config import WatchConfig
-from nanwatch.core.events import Feature
+from nanwatch.core.feature_api import Feature
 from nanwatch.core.features.capture import ReplayCapture
 from nanwatch.core.features.checkpoints import CheckpointGuard
 from nanwatch.core.features.culprit import CulpritFeature

@@ -21,9 +21,9 @@ from dataclasses import dataclass
 
 import torch
 
-from nanwatch.core.hooks import clean_name
 from nanwatch.core.stats.finite import KnownKinds, non_finite_kinds
 from nanwatch.core.stats.sharded import local_shard
+from nanwatch.core.torch_glue.hooks import clean_name
 
 __all__ = ["BufferMasks"]
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from nanwatch.core.events import EngineContext, Feature
+from nanwatch.core.feature_api import EngineContext, Feature
 from nanwatch.core.formats.replay_file import replay_file_name, save_replay_file
 from nanwatch.core.frames import counter_name
 from nanwatch.core.report import Report

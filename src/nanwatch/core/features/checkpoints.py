@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from nanwatch.core.events import EngineContext, Feature, WriteAside
+from nanwatch.core.feature_api import EngineContext, Feature, WriteAside
 from nanwatch.core.features.buffer_masks import BufferMasks
 from nanwatch.core.frames import ResolvedFrame
 from nanwatch.core.readouts import LAST_GOOD_CHECKPOINT, Readout

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from nanwatch.core.events import EngineContext, Feature
+from nanwatch.core.feature_api import EngineContext, Feature
 from nanwatch.core.frames import ResolvedEntry, ResolvedFrame, Role
 from nanwatch.core.report import Report, ReportSection
 

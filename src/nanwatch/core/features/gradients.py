@@ -45,10 +45,10 @@ from typing import Any
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from nanwatch.core.events import EngineContext, Feature, Phase
+from nanwatch.core.feature_api import EngineContext, Feature, Phase
 from nanwatch.core.frames import GRAD_PREFIX, Direction, Entry, Frame, Role
-from nanwatch.core.hooks import module_class_name, recomputing
 from nanwatch.core.stats.measure import Measurement
+from nanwatch.core.torch_glue.hooks import module_class_name, recomputing
 from nanwatch.core.walk import walk
 
 __all__ = ["GradientRecorder"]

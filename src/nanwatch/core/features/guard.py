@@ -9,7 +9,7 @@ is called with `found_inf` set, and the guard leaves it alone).
 
 In a distributed run this is also where ranks meet without a collective of nanwatch's own: DDP (and FSDP) reduce
 the gradients across ranks before the step, so a nan that appears on any rank makes every rank's gradients
-non-finite, and every rank's guard sees it at the same step (core/ranks.py).
+non-finite, and every rank's guard sees it at the same step (core/distributed/ranks.py).
 """
 
 from __future__ import annotations
@@ -21,14 +21,14 @@ from typing import Any
 
 import torch
 
-from nanwatch.core.events import EngineContext, Feature, OptimizerStage
+from nanwatch.core.feature_api import EngineContext, Feature, OptimizerStage
 from nanwatch.core.frames import Frame
-from nanwatch.core.hooks import clean_name
 from nanwatch.core.optimizers import gradients_to_apply, skips_this_step
 from nanwatch.core.readouts import GRADIENT_MAXIMUM, Readout
 from nanwatch.core.report import Report, ReportSection
+from nanwatch.core.stats.grouped import MagnitudePlan
 from nanwatch.core.stats.sharded import local_shards
-from nanwatch.core.stats.stacking import MagnitudePlan
+from nanwatch.core.torch_glue.hooks import clean_name
 
 __all__ = ["GradientGuard", "MAX_NAMED", "backward_note"]
 

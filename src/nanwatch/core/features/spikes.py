@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from nanwatch.core.events import EngineContext, Feature
+from nanwatch.core.feature_api import EngineContext, Feature
 from nanwatch.core.formats.files import atomic_write
 from nanwatch.core.frames import Direction, Frame, ResolvedFrame, Role, counter_name, resolve
 from nanwatch.core.readouts import GRADIENT_MAXIMUM, SPIKE_REPLAY, ReplayedLevels

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from nanwatch.core.events import EngineContext, Feature, Phase
+from nanwatch.core.feature_api import EngineContext, Feature, Phase
 from nanwatch.core.frames import Direction, Frame, resolve
 from nanwatch.core.readouts import (
     ABSMAX_PREFIX,

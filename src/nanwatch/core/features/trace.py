@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from nanwatch.core.events import EngineContext, Feature, Phase
+from nanwatch.core.feature_api import EngineContext, Feature, Phase
 from nanwatch.core.formats.files import append_trace, append_trace_records, trace_paths
 from nanwatch.core.formats.jsonl_writer import trace_records
 from nanwatch.core.frames import Frame, ResolvedEntry, ResolvedFrame, counter_name, resolve

@@ -13,10 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
+from nanwatch.core.stats.grouped import StackPlan
 from nanwatch.core.stats.kernels import ABS_KEEPS_DTYPE
 from nanwatch.core.stats.measure import _RANGE, ExtraKernels, Measurement, StackedMeasurement, measure
-from nanwatch.core.stats.stacking import StackPlan
-from nanwatch.core.stats.staging import STAGE_MAX_NUMEL, Rows, Staging
+from nanwatch.core.stats.output_rows import STAGE_MAX_NUMEL, Rows, Staging
 
 __all__ = ["StatsCache", "TrackedBatch"]
 
@@ -113,7 +113,7 @@ class StatsCache:
         self._pointers: list[int] = []
         self._dtypes: list[torch.dtype] = []
         # This batch's measurement of the tracked parameters once made (`tracked_batch()`), else None: read at every
-        # deferred call of a module with parameters (core/engine/deferral.py).
+        # deferred call of a module with parameters (core/engine/recording/deferral.py).
         self.measured_batch: TrackedBatch | None = None
         self.batches_measured = 0  # how many batch measurements of the tracked parameters were made
         # The tensor looked up last: most often one module's output, about to be the next one's input.
@@ -262,8 +262,8 @@ class StatsCache:
             numel = tensor.numel()
             # A plain non-empty tensor with storage (so not meta, not sparse), and no other statistic to launch.
             plain = type(tensor) is torch.Tensor and not self._kernels and numel
-            # Small: one copy now, measured with the others of its shape when read (core/stats/staging.py). A view of
-            # it is measured again rather than looked up: a copy costs less than finding it.
+            # Small: one copy now, measured with the others of its shape when read (core/stats/output_rows.py). A view
+            # of it is measured again rather than looked up: a copy costs less than finding it.
             staged = None
             if plain and numel <= STAGE_MAX_NUMEL:
                 staged = self._staging.stage(tensor.detach() if tensor.requires_grad else tensor)

@@ -14,9 +14,9 @@ import torch
 from nanwatch.core.config import WatchConfig
 from nanwatch.core.stats.base import Kernel
 from nanwatch.core.stats.kernels import ABS_KEEPS_DTYPE, FLOAT8_DTYPES, values_of
+from nanwatch.core.stats.output_rows import Rows
 from nanwatch.core.stats.registry import extras, lead
 from nanwatch.core.stats.sharded import local_shard
-from nanwatch.core.stats.staging import Rows
 
 __all__ = [
     "Measurement",

@@ -15,8 +15,8 @@ import torch
 
 from nanwatch.core.stats.base import Values
 from nanwatch.core.stats.measure import Measurement, StackedMeasurement
+from nanwatch.core.stats.output_rows import Rows
 from nanwatch.core.stats.registry import extras, lead
-from nanwatch.core.stats.staging import Rows
 
 __all__ = ["stack_maxima", "read_flags", "holds_non_finite", "ReadBack", "read_back"]
 

@@ -17,10 +17,10 @@ from typing import Any
 import torch
 
 from nanwatch.core.config import WatchConfig
-from nanwatch.core.events import EngineContext, Feature
+from nanwatch.core.feature_api import EngineContext, Feature
 from nanwatch.core.features.headroom.findings import Finding, FindingKind, badness
-from nanwatch.core.features.headroom.readback import read_counts, read_floats, unique_measurements
-from nanwatch.core.features.headroom.run_summary import summary_text
+from nanwatch.core.features.headroom.host_reads import read_counts, read_floats, unique_measurements
+from nanwatch.core.features.headroom.run_summary import TITLES, RunFindings, summary_text
 from nanwatch.core.frames import Entry, Frame, ResolvedFrame, counter_name
 from nanwatch.core.report import Report, ReportSection
 from nanwatch.core.stats.limits import Limits, dtype_name, limits_of, round_up, target_limits
@@ -307,7 +307,19 @@ class HeadroomMonitor(Feature):
 
     def summary(self) -> str | None:
         """What the run showed, in a few lines; None when there is nothing to say (no target, nothing found)."""
-        return summary_text(self)
+        return summary_text(
+            RunFindings(
+                target=self.target,
+                warn_fraction=self.warn_fraction,
+                counts_underflow=self.counts_underflow,
+                underflow_warn_fraction=self.underflow_warn_fraction,
+                rank=self.rank,
+                world_size=self.world_size,
+                checks=self.checks,
+                worst={kind: self.worst(kind) for kind in TITLES},
+                largest_abs_max=self.largest_abs_max() if self.target is not None else None,
+            )
+        )
 
     def close(self, ctx: EngineContext | None = None) -> None:
         """Log the summary (once per run, again only if something new was found since)."""

@@ -7,18 +7,16 @@ largest abs max), in words; the warnings during the run are the monitor's own.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
-from nanwatch.core.features.headroom.findings import FindingKind, times
+from nanwatch.core.features.headroom.findings import Finding, FindingKind, times
 from nanwatch.core.frames import counter_name
+from nanwatch.core.stats.limits import Limits
 
-if TYPE_CHECKING:
-    from nanwatch.core.features.headroom.monitor import HeadroomMonitor
-
-__all__ = ["summary_text"]
+__all__ = ["RunFindings", "TITLES", "summary_text"]
 
 # Each kind's line in the summary, in the order shown; `{target}` is the target dtype's name.
-_TITLES: dict[FindingKind, str] = {
+TITLES: dict[FindingKind, str] = {
     "target_overflow": "would overflow {target}",
     "target_headroom": "within the warn fraction of {target}'s max",
     "headroom": "within the warn fraction of their own dtype's max",
@@ -27,10 +25,25 @@ _TITLES: dict[FindingKind, str] = {
 }
 
 
-def summary_text(monitor: HeadroomMonitor) -> str | None:
+@dataclass(frozen=True, slots=True)
+class RunFindings:
+    """What the monitor found over the run, and the settings it judged by: all the summary reads."""
+
+    target: Limits | None
+    warn_fraction: float | None
+    counts_underflow: bool
+    underflow_warn_fraction: float
+    rank: int
+    world_size: int
+    checks: int
+    worst: dict[FindingKind, list[Finding]]  # each kind's worst finding per tensor, worst first
+    largest_abs_max: float | None  # with a target: the largest abs max of any tensor it applies to
+
+
+def summary_text(monitor: RunFindings) -> str | None:
     """What the run showed, in a few lines; None when there is nothing to say (no target, nothing found)."""
     target = monitor.target
-    worst = {kind: monitor.worst(kind) for kind in _TITLES}
+    worst = monitor.worst
     if target is None and not any(worst.values()):
         return None
     settings = []
@@ -43,7 +56,7 @@ def summary_text(monitor: HeadroomMonitor) -> str | None:
     on_rank = f" on rank {monitor.rank}" if monitor.world_size > 1 else ""
     lines = [f"nanwatch headroom summary{on_rank} after {monitor.checks} checks ({', '.join(settings)}):"]
     target_name = target.name if target is not None else ""
-    for kind, title in _TITLES.items():
+    for kind, title in TITLES.items():
         found = worst[kind]
         if not found:
             continue
@@ -54,7 +67,7 @@ def summary_text(monitor: HeadroomMonitor) -> str | None:
             f"{found[0].line()}"
         )
     if target is not None:
-        largest = monitor.largest_abs_max()
+        largest = monitor.largest_abs_max
         if largest is not None and math.isfinite(largest) and largest > 0:
             room = target.max / largest
             verdict = f"headroom {times(room)}x" if room >= 1 else f"{times(1 / room)}x over"

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from nanwatch.core.events import EngineContext, Feature, OptimizerStage, Phase
+from nanwatch.core.feature_api import EngineContext, Feature, OptimizerStage, Phase
 from nanwatch.core.features.loss_scale.monitor import GradientOverflow, LossScaleMonitor
 from nanwatch.core.frames import Direction, Frame
 from nanwatch.core.readouts import (

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves
 
-from nanwatch.core.events import EngineContext, Feature, OptimizerStage, Phase
+from nanwatch.core.feature_api import EngineContext, Feature, OptimizerStage, Phase
 from nanwatch.core.features.sentinel import generators as own_generators
 from nanwatch.core.features.sentinel.kept import (
     MAX_WINDOW,
@@ -36,11 +36,11 @@ from nanwatch.core.features.sentinel.verdicts import (
     unreplayed,
 )
 from nanwatch.core.frames import Frame, Role
-from nanwatch.core.hooks import reshards_after_forward
 from nanwatch.core.log import warn
 from nanwatch.core.readouts import SPIKE_REPLAY, Readout, ReplayedLevels
 from nanwatch.core.report import Report, ReportSection
 from nanwatch.core.runstate import autocast_state, capture_rng_states
+from nanwatch.core.torch_glue.hooks import reshards_after_forward
 
 __all__ = ["SentinelFeature"]
 
@@ -350,5 +350,6 @@ def _is_tensor(value: Any) -> bool:
 
 
 def _shards_parameters(module: torch.nn.Module) -> bool:
-    # FSDP2 (`fully_shard`) and FSDP1 wrappers; nanwatch imports neither (core/hooks.py checks FSDP2 the same way).
+    # FSDP2 (`fully_shard`) and FSDP1 wrappers; nanwatch imports neither (core/torch_glue/hooks.py checks FSDP2 the
+    # same way).
     return reshards_after_forward(module) or type(module).__name__ == "FullyShardedDataParallel"

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from nanwatch.core.events import Phase
+from nanwatch.core.feature_api import Phase
 from nanwatch.core.stats.kernels import FLOAT8_DTYPES
 from nanwatch.core.stats.measure import measure
 from nanwatch.core.walk import walk

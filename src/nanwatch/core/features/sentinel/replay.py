@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_map_only
 
-from nanwatch.core.events import EngineContext
+from nanwatch.core.feature_api import EngineContext
 from nanwatch.core.features.sentinel import generators as own_generators
 from nanwatch.core.features.sentinel.kept import MicroBatch
 from nanwatch.core.features.sentinel.outputs import float_leaves

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from nanwatch.core.events import EngineContext
+from nanwatch.core.feature_api import EngineContext
 from nanwatch.core.features.sentinel import generators as own_generators
 from nanwatch.core.features.sentinel.kept import MicroBatch
 from nanwatch.core.features.sentinel.replay import run_again

@@ -1,4 +1,4 @@
-"""The `EngineContext` features get (core/events.py): a narrow view of one engine, read through its parts."""
+"""The `EngineContext` features get (core/feature_api.py): a narrow view of one engine, read through its parts."""
 
 from __future__ import annotations
 
@@ -11,17 +11,17 @@ import torch
 from nanwatch.core.config import WatchConfig
 from nanwatch.core.engine.checker import Checker
 from nanwatch.core.engine.counters import Counters
-from nanwatch.core.engine.plugins import FeatureSet
+from nanwatch.core.engine.feature_set import FeatureSet
 from nanwatch.core.engine.publisher import Publisher
-from nanwatch.core.engine.recorder import Recorder
-from nanwatch.core.events import Phase
+from nanwatch.core.engine.recording.recorder import Recorder
+from nanwatch.core.feature_api import Phase
 from nanwatch.core.frames import Frame, ResolvedFrame
-from nanwatch.core.hooks import HookSet
 from nanwatch.core.readouts import Readout, Summary
 from nanwatch.core.report import Report, ReportSection
 from nanwatch.core.scope import BatchSchedule, rank_in
 from nanwatch.core.stats.cache import StatsCache
 from nanwatch.core.stats.measure import Measurement
+from nanwatch.core.torch_glue.hooks import HookSet
 
 __all__ = ["EngineView", "Facade", "Fixed"]
 

@@ -1,11 +1,11 @@
-"""Who am I, and what a rank's detection says: the pieces the agreement (core/board.py) is made of.
+"""Who am I, and what a rank's detection says: the pieces the agreement (core/distributed/board.py) is made of.
 
 A collective nanwatch runs on the user's process group pairs with whatever the user's ranks run next: with uneven
 data (`ddp.join()`, which shadows collectives for ranks out of data) or a final `dist.barrier()` it paired with the
 wrong thing, and a rank that stopped early held the others in it until the group's timeout. So ranks tell each other
 of a detection through the process group's key-value store instead (the TCPStore every `init_process_group` sets up),
 which pairs with nothing: a rank posts what it saw, and every rank settles on one verdict, the first rank to decide
-fixing it for all (core/board.py). Every wait is bounded by `rank_wait_s`, never a hang.
+fixing it for all (core/distributed/board.py). Every wait is bounded by `rank_wait_s`, never a hang.
 
 Ranks do meet, without nanwatch, at the optimizer step: DDP all-reduces the gradients first, so a nan on any rank
 makes every rank's gradients non-finite, and every rank's guard sees it at the same step.

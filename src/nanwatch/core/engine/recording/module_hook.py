@@ -9,7 +9,7 @@ not a closure over eight cells, and it asks its questions in the order that retu
 What it does: nothing while the recorder is not recording; inside a graph being traced (Dynamo, export) it puts the
 statistics into the graph (core/stats/compiled.py); during a backward (activation checkpointing recomputes the
 forward) it records a `(recompute)` frame only when gradients are watched; otherwise it defers the call when its
-module has earned it (core/engine/deferral.py) or records it as it returns (the recorder's `record`).
+module has earned it (core/engine/recording/deferral.py) or records it as it returns (the recorder's `record`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 import torch
 
-from nanwatch.core.engine.deferral import Deferral, Site
+from nanwatch.core.engine.recording.deferral import Deferral, Site
 from nanwatch.core.frames import Direction
 from nanwatch.core.stats.compiled import record_call
 from nanwatch.core.stats.measure import ExtraKernels
@@ -43,7 +43,7 @@ RecordCall = Callable[[Site, torch.nn.Module, tuple[Any, ...], dict[str, Any], A
 
 
 class Recording(Protocol):
-    """What a module's hook reads of the recorder (core/engine/recorder.py's `Recorder`)."""
+    """What a module's hook reads of the recorder (core/engine/recording/recorder.py's `Recorder`)."""
 
     recording: bool  # False in an unwatched batch or phase, or once watching is disabled: the hooks return at once
     tracing: bool  # the batch is traced: every call is recorded as it returns, and handed to the trace
@@ -64,14 +64,14 @@ class ModuleHook:
 
     Args:
         recorder: where its frames go.
-        deferral: keeps the calls that can be measured later (core/engine/deferral.py).
+        deferral: keeps the calls that can be measured later (core/engine/recording/deferral.py).
         site: its module's names and what the deferral knows of it.
         prefix: the key of its records inside a compiled graph (core/stats/compiled.py's `frame_key`).
         kernels: the extra statistics measured in this run, for its records inside a compiled graph.
     """
 
     __slots__ = ("recorder", "deferral", "site", "prefix", "kernels")
-    # core/hooks.py's `HookSet` leaves this hook as it is: it keeps itself out of pickles and deep copies.
+    # core/torch_glue/hooks.py's `HookSet` leaves this hook as it is: it keeps itself out of pickles and deep copies.
     leaves_pickles_and_copies = True
 
     def __init__(self, recorder: Recording, deferral: Deferral, site: Site, prefix: str, kernels: ExtraKernels) -> None:
@@ -80,17 +80,17 @@ class ModuleHook:
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:
         # `copy.deepcopy(model)` (an EMA copy) copies the modules' hook dicts, and a bound method's object with them:
-        # the copy is not watched, and gets no hook of ours (core/hooks.py's `copied_away`), rather than a copy of the
-        # recorder and everything it holds.
-        from nanwatch.core.hooks import copied_away
+        # the copy is not watched, and gets no hook of ours (core/torch_glue/hooks.py's `copied_away`), rather than a
+        # copy of the recorder and everything it holds.
+        from nanwatch.core.torch_glue.hooks import copied_away
 
         return copied_away(self, memo)
 
     def __reduce__(self) -> tuple[Any, ...]:
         # `torch.save(model)` and `pickle` store the module's hook dicts with it: this hook goes as a no-op of the
-        # standard library (core/hooks.py's `pickled_away`), which the pickle of its bound method reaches as the
-        # `forward_hook` of what this reduces to.
-        from nanwatch.core.hooks import pickled_module_hook
+        # standard library (core/torch_glue/hooks.py's `pickled_away`), which the pickle of its bound method reaches as
+        # the `forward_hook` of what this reduces to.
+        from nanwatch.core.torch_glue.hooks import pickled_module_hook
 
         return pickled_module_hook()
 

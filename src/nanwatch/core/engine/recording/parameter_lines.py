@@ -73,7 +73,8 @@ class ParameterLines:
     @property
     def stable(self) -> bool:
         """Every parameter is tracked, and none was found changed since its batch measurement: what deferring a call
-        needs (core/engine/recorder.py checks a deferred module's parameters at its first call of a batch only)."""
+        needs (core/engine/recording/recorder.py checks a deferred module's parameters at its first call of a batch
+        only)."""
         return self.slots is not None and not self.remade
 
     def _make(self, params: Mapping[str, torch.Tensor | None], cache: StatsCache) -> list[Entry]:

@@ -13,7 +13,7 @@ no rank detects anything, and a constant number of round trips per rank when one
   missing, after the wait). It reads every post in one `get`, writes the verdict key once (`compare_set`: a rank whose
   watcher attached after another had decided alone finds the verdict already there, and takes it) and the verdict
   into every rank's bell in one `multi_set`. One verdict is ever written.
-- *hear* (every rank): its bell (core/listener.py), through a listener thread where the store can be cloned.
+- *hear* (every rank): its bell (core/distributed/listener.py), through a listener thread where the store can be cloned.
 - *acknowledge* (every rank): `add` 1 to the count of ranks that have the verdict; the rank that completes it says
   so, and every rank waits for that (bounded by `wait_s`) before it raises: no rank exits, and no launcher kills the
   others, before every rank has the verdict.
@@ -55,9 +55,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from nanwatch.core.listener import CLOSED, GONE, Bell, PolledBell, bell_for
+from nanwatch.core.distributed.listener import CLOSED, GONE, Bell, PolledBell, bell_for
+from nanwatch.core.distributed.ranks import Detection
 from nanwatch.core.log import warn
-from nanwatch.core.ranks import Detection
 
 __all__ = ["DetectionBoard", "StoreLost", "board_prefix", "group_of"]
 
@@ -467,6 +467,7 @@ def _reachable(store: Any) -> bool:
 @atexit.register
 def _ring_at_exit() -> None:
     """Before the interpreter goes (and the server it may host with it), ring the other members' bells (`_HostExit`).
-    Registered after core/listener.py's `_close_at_exit`, so it runs before that ends this process's listeners."""
+    Registered after core/distributed/listener.py's `_close_at_exit`, so it runs before that ends this process's
+    listeners."""
     for host_exit in list(_HOST_EXITS):
         host_exit(True)

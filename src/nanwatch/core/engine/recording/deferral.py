@@ -40,10 +40,10 @@ from torch.nn.modules.module import register_module_parameter_registration_hook
 from torch.utils.hooks import RemovableHandle
 
 from nanwatch.core.engine.counters import Counters
-from nanwatch.core.engine.deferred_frames import DEFERRED_DTYPES, DeferredFrame, DeferredOutputs, Settled
-from nanwatch.core.engine.parameter_lines import ParameterLines
+from nanwatch.core.engine.recording.deferred_frames import DEFERRED_DTYPES, DeferredFrame, DeferredOutputs, Settled
+from nanwatch.core.engine.recording.parameter_lines import ParameterLines
 from nanwatch.core.stats.cache import StatsCache, TrackedBatch
-from nanwatch.core.stats.staging import STAGE_MAX_NUMEL
+from nanwatch.core.stats.output_rows import STAGE_MAX_NUMEL
 
 __all__ = ["Deferral", "Site", "deferrable"]
 

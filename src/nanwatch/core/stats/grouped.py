@@ -16,7 +16,7 @@ from typing import Any, overload
 import torch
 
 from nanwatch.core.stats.measure import ExtraKernels, Measurement, StackedMeasurement, measure, measure_extras
-from nanwatch.core.stats.staging import Rows
+from nanwatch.core.stats.output_rows import Rows
 
 __all__ = ["StackPlan", "measure_together", "MagnitudePlan"]
 

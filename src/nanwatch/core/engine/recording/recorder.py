@@ -1,6 +1,6 @@
 """Recording: a forward hook per watched module makes a frame of what the call saw, eagerly or inside a graph.
 
-One hook per module (core/engine/module_hook.py: the hot path), with no per-feature dispatch inside it (a feature that
+One hook per module (module_hook.py: the hot path), with no per-feature dispatch inside it (a feature that
 needs per-call work registers hooks of its own). Every frame, from a hook, a compiled graph, a feature (backward
 frames) or the loss, joins the pending frames through one step, `append`: traced if the batch is traced, and checked
 early if a loop that never ends its batches lets them pile up.
@@ -18,19 +18,11 @@ from typing import Any
 
 import torch
 
-from nanwatch.core.compiler import (
-    forget_compiled_code,
-    nested_code,
-    run_outside_dynamo,
-    stale_compiled_code,
-    with_compiled_code,
-)
 from nanwatch.core.engine.counters import Counters
-from nanwatch.core.engine.deferral import Deferral, Site
-from nanwatch.core.engine.deferred_frames import Settled
-from nanwatch.core.engine.module_hook import MAX_PENDING_FRAMES, ModuleHook
+from nanwatch.core.engine.recording.deferral import Deferral, Site
+from nanwatch.core.engine.recording.deferred_frames import Settled
+from nanwatch.core.engine.recording.module_hook import MAX_PENDING_FRAMES, ModuleHook
 from nanwatch.core.frames import Direction, Entry, Frame, Role
-from nanwatch.core.hooks import HookSet, module_class_name, reshards_after_forward
 from nanwatch.core.log import warn
 from nanwatch.core.stats.cache import StatsCache
 from nanwatch.core.stats.compiled import (
@@ -42,6 +34,14 @@ from nanwatch.core.stats.compiled import (
     record_call,
     record_marker,
 )
+from nanwatch.core.torch_glue.compiler import (
+    forget_compiled_code,
+    nested_code,
+    run_outside_dynamo,
+    stale_compiled_code,
+    with_compiled_code,
+)
+from nanwatch.core.torch_glue.hooks import HookSet, module_class_name, reshards_after_forward
 from nanwatch.core.walk import (
     INPUT,
     KEYWORD_PLAIN,
@@ -190,7 +190,7 @@ class Recorder:
     # ----------------------------------------------------------------------------------------- the hot path
 
     def make_hook(self, name: str, class_name: str) -> Any:
-        """The forward hook (with keyword inputs) that records `name`'s calls (core/engine/module_hook.py)."""
+        """The forward hook (with keyword inputs) that records `name`'s calls (core/engine/recording/module_hook.py)."""
         site = self._deferral.site(name, class_name)
         hook = ModuleHook(self, self._deferral, site, frame_key(self.sink.token, name, class_name), self._cache.kernels)
         return hook.forward_hook

@@ -8,8 +8,8 @@ cannot be cloned (an in-memory `HashStore`, a store of another kind), or the lis
 `PolledBell` looks at the bell from the training thread instead, at most once per `POLL_INTERVAL_S`.
 
 Closing rings the rank's own bell with `CLOSED`, which ends the thread. A process that hosts the store's server rings
-the other ranks' bells with `GONE` before its server goes (core/board.py): their listeners end on a value, where a
-dropped connection would end them with a C++ stack trace from torch's store client on stderr.
+the other ranks' bells with `GONE` before its server goes (core/distributed/board.py): their listeners end on a value,
+where a dropped connection would end them with a C++ stack trace from torch's store client on stderr.
 """
 
 from __future__ import annotations

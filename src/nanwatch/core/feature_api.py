@@ -37,10 +37,10 @@ if TYPE_CHECKING:
 
     from nanwatch.core.config import WatchConfig
     from nanwatch.core.frames import Frame, ResolvedFrame
-    from nanwatch.core.hooks import HookSet
     from nanwatch.core.readouts import Readout, Summary
     from nanwatch.core.report import Report, ReportSection
     from nanwatch.core.stats.measure import Measurement
+    from nanwatch.core.torch_glue.hooks import HookSet
 
 __all__ = [
     "KEEP",

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
-from nanwatch.core.events import EngineContext, Feature
+from nanwatch.core.feature_api import EngineContext, Feature
 from nanwatch.core.readouts import Readout
 from nanwatch.errors import NanwatchError
 

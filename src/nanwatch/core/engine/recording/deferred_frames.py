@@ -1,4 +1,4 @@
-"""The frames of deferred calls (core/engine/deferral.py), and what the check reads of them instead of their lines.
+"""The frames of deferred calls (deferral.py), and what the check reads of them instead of their lines.
 
 A deferred call's frame is made as the call returns, from one tuple; its output is measured at the check with the
 other outputs deferred since the last one (`DeferredOutputs`: one stack per dtype, shape and device, most often one
@@ -16,7 +16,7 @@ import torch
 from nanwatch.core.frames import Direction, Entry, Frame, Role
 from nanwatch.core.stats.cache import TrackedBatch
 from nanwatch.core.stats.measure import Measurement, StackedMeasurement, measure
-from nanwatch.core.stats.staging import Rows
+from nanwatch.core.stats.output_rows import Rows
 from nanwatch.core.walk import OUTPUT_LABEL, input_label
 
 __all__ = [
@@ -72,7 +72,7 @@ class Settled:
 
 
 class Named(Protocol):
-    """What a deferred frame reads of its module's site (core/engine/deferral.py's `Site`)."""
+    """What a deferred frame reads of its module's site (core/engine/recording/deferral.py's `Site`)."""
 
     name: str
     class_name: str

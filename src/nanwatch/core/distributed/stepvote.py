@@ -3,7 +3,7 @@ in that step's window, so that every rank skips the same step, whatever the rank
 
 A nan that reaches the gradients reaches every rank's (DDP all-reduces them first), and every rank's guard sees it at
 the same step. A cause that stays on one rank does not: an inf in a diagnostic output that never reaches the
-gradients, a spike on one rank. Ranks would learn of it through the detection board (core/board.py) only later, once
+gradients, a spike on one rank. Ranks would learn of it through the detection board (board.py) only later, once
 some of them had applied the step, and the replicas would differ from then on. So, with skip and more than one rank,
 the ranks take one vote per optimizer step, through the process group's store (no collective of nanwatch's own):
 
@@ -37,8 +37,8 @@ import datetime
 import time
 from typing import Any
 
+from nanwatch.core.distributed.ranks import Detection
 from nanwatch.core.log import warn
-from nanwatch.core.ranks import Detection
 
 __all__ = ["StepVote", "VoteLost"]
 
