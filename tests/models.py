@@ -43,11 +43,31 @@ def small_mlp(out_features: int = 1, *, scale: bool = True, inplace: bool = Fals
 
     `model[2].factor = math.inf` makes the third module's output inf. With `scale=False` there is no Scale (three
     modules: Linear, ReLU, Linear, the same weights as with it, since Scale has none); `inplace` makes the ReLU
-    in-place. The engine tests take `out_features=2`; the adapter, summary and gradient tests the default 1.
+    in-place. The engine tests take `out_features=2` (the guard's loss tests with `scale=False`); the adapter,
+    summary and gradient tests the default 1.
     """
     torch.manual_seed(0)
     middle = [nn.ReLU(inplace=inplace), *([Scale()] if scale else [])]
     return nn.Sequential(nn.Linear(4, 8), *middle, nn.Linear(8, out_features))
+
+
+# ------------------------------------------------------------------------------------- a module that changes dtype
+
+
+class Cast(nn.Module):
+    """Returns its input as `dtype`: an output of a chosen dtype (unsigned, float8, bfloat16, float16) in a chosen
+    place, without parameters.
+
+    Used by the plain-loop tests (wide unsigned and float8 outputs), the deferred-recording tests (one stack per dtype)
+    and the plot tests (a float16 middle between float32 layers).
+    """
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.dtype = dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.to(self.dtype)
 
 
 # ------------------------------------------------------------------------ the differential tests' own models

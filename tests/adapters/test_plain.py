@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 import torch
-from tests.models import Scale, small_mlp
+from tests.models import Cast, Scale, small_mlp
 from torch import nn
 
 import nanwatch
@@ -513,15 +513,6 @@ def test_bool_int_complex_and_float8_tensors_get_lines() -> None:
     assert lines["output[4]"] == "5.00e-01 4.00e+00 output[4]"
 
 
-class Cast(nn.Module):
-    def __init__(self, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.dtype = dtype
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x.to(self.dtype)
-
-
 @pytest.mark.parametrize(
     ("dtype", "line"),
     [
@@ -560,11 +551,7 @@ def test_wide_unsigned_outputs_keep_watching_on(dtype: torch.dtype, line: str) -
 
 
 def test_inf_in_a_float8_output_is_detected() -> None:
-    class ToFloat8(nn.Module):
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return x.to(torch.float8_e5m2)
-
-    model = nn.Sequential(nn.Identity(), ToFloat8())
+    model = nn.Sequential(nn.Identity(), Cast(torch.float8_e5m2))
     with watch(model) as handle:
         model(torch.tensor([1.0, 1e6]))  # beyond e5m2's range: inf
         with pytest.raises(NonFiniteError) as info:

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+from tests.models import Cast
 from tests.trace_models import SEED, Inject, build_amp_net, run_amp_net, trace_path
 from torch import nn
 
@@ -541,16 +542,6 @@ def test_lines_of_a_finite_run_rank_by_abs_max(tmp_path: Path) -> None:
 # Forward values and gradients drawn apart (--direction)
 
 
-class _ToHalf(nn.Module):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x.half()
-
-
-class _ToFloat(nn.Module):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x.float()
-
-
 class _Mixed(nn.Module):
     """float32 layers around a float16 middle: the forward is marked against float16's max, while the float32
     gradients of a loss multiplied by 3e4 pass it (fc2's bias gets 1.2e5) without ever being float16."""
@@ -558,9 +549,9 @@ class _Mixed(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.fc1 = nn.Linear(8, 16)
-        self.half_ = _ToHalf()
+        self.half_ = Cast(torch.float16)
         self.act = nn.Tanh()
-        self.float_ = _ToFloat()
+        self.float_ = Cast(torch.float32)
         self.fc2 = nn.Linear(16, 4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -11,6 +11,7 @@ import weakref
 import pytest
 import torch
 from tests.engine_helpers import deferred_calls
+from tests.models import Cast
 from torch import nn
 
 from nanwatch import WatchConfig
@@ -68,22 +69,13 @@ def test_a_chain_of_small_modules_is_deferred_and_records_the_same_numbers() -> 
     assert _line(last, "weight") == _range(model[2].weight)
 
 
-class _Cast(nn.Module):
-    def __init__(self, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.dtype = dtype
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x.to(self.dtype)
-
-
 @pytest.mark.parametrize("dtypes", ["one", "several"])
 def test_deferred_outputs_of_one_shape_keep_each_its_own_dtype_and_numbers(dtypes: str) -> None:
     """Outputs of one shape are measured in one stack when they share a dtype; a stack would turn a bfloat16 output
     into float32, so outputs of several dtypes go in one stack per dtype. Each line keeps its output's dtype and
     numbers either way."""
     torch.manual_seed(0)
-    cast: list[nn.Module] = [_Cast(torch.bfloat16), nn.Tanh(), _Cast(torch.float32)] if dtypes == "several" else []
+    cast: list[nn.Module] = [Cast(torch.bfloat16), nn.Tanh(), Cast(torch.float32)] if dtypes == "several" else []
     model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), *cast, nn.Linear(4, 4))
     x, deferred, frames = _third_batch(model)
     assert deferred == len(model) + 1, "every module and the Sequential around them"

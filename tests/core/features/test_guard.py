@@ -9,7 +9,7 @@ from collections.abc import Callable
 import pytest
 import torch
 import torch.nn.functional as F
-from tests.models import InfInBackward, NanInBackward
+from tests.models import InfInBackward, NanInBackward, small_mlp
 from torch import nn
 
 from nanwatch import NonFiniteError, WatchHandle, watch
@@ -99,8 +99,7 @@ def test_a_loss_that_overflows_outside_the_model_is_not_said_to_be_born_in_backw
     # finite, the loss is inf, and so are the gradients. Before, the report said "the inf/nan appeared in backward"
     # and pointed at watch_gradients alone; nanwatch never looked at the loss.
     loss_fn = _overflowing_losses()[loss_name]
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    model = small_mlp(2, scale=False)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     inputs, targets = torch.randn(3, 4), torch.zeros(3, 2)
     before = _weights(model)
@@ -130,8 +129,7 @@ def test_a_loss_that_overflows_outside_the_model_is_not_said_to_be_born_in_backw
 @pytest.mark.parametrize("loss_name", list(_overflowing_losses()))
 def test_a_loss_handed_to_watch_loss_is_named_as_where_the_inf_was_born(loss_name: str) -> None:
     loss_fn = _overflowing_losses()[loss_name]
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    model = small_mlp(2, scale=False)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 
     def train() -> None:
