@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+from tests.adapters.scripts.blowup_models import ArmedBlowup
 from tests.engine_helpers import use_board
 from torch import nn
 from torch._C._distributed_c10d import HashStore
@@ -30,17 +31,6 @@ def store() -> Any:
     # In a real run each rank's board derives its keys from the group and the model (core/distributed/board.py
     # board_prefix); here both ranks' boards are given the same keys, the default prefix.
     return HashStore()
-
-
-class Blowup(nn.Module):
-    """Multiplies by inf when `armed`: the frames of this rank hold the inf, as rank 1's do in the DDP tests."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.armed = False
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * float("inf") if self.armed else x
 
 
 class Settling(threading.Thread):
@@ -74,7 +64,7 @@ def test_the_rank_whose_frames_hold_the_inf_is_named_even_when_the_gradients_ran
     # micro-batch. The Trainer's adapter then calls start_batch() again (after the forward, frames still unchecked):
     # no verdict has been fixed (rank 0 waits for every rank's post), so it goes on; rank 1's check holds its frames
     # for the optimizer step, where it posts them, completes the count and fixes the verdict: its own frames.
-    blowup = Blowup()
+    blowup = ArmedBlowup()
     model = nn.Sequential(nn.Linear(4, 4), blowup, nn.Linear(4, 2))
     watcher = Watcher(model, WatchConfig(rank_wait_s=WAIT_S), rank=1, world_size=2)
     use_board(watcher, DetectionBoard(store, 1, 2, WAIT_S))  # what DetectionBoard.for_model gives in a real run
@@ -112,7 +102,7 @@ def test_a_held_detection_is_posted_at_the_step_when_another_rank_posts_first(st
     # Rank 1 saw inf in micro-batch 2 and holds it for the optimizer step (gradient accumulation); rank 0 posts before
     # that step. Rank 1 goes on to micro-batch 3 (no verdict yet) and posts its own detection at the step: the
     # verdict names micro-batch 2 on rank 1 on both ranks.
-    blowup = Blowup()
+    blowup = ArmedBlowup()
     model = nn.Sequential(nn.Linear(4, 4), blowup, nn.Linear(4, 2))
     watcher = Watcher(model, WatchConfig(rank_wait_s=WAIT_S), rank=1, world_size=2)
     use_board(watcher, DetectionBoard(store, 1, 2, WAIT_S))

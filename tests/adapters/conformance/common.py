@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from tests.adapters.scripts.blowup_models import SumDataset
 from torch import nn
 
 BATCH_SIZE = 2
@@ -224,22 +225,6 @@ def new_loss(scenario: Scenario, *, micro_batches_done: int = 0) -> FunctionalLo
     loss = FunctionalLoss(scenario.loss_inf_at)
     loss.count = micro_batches_done
     return loss
-
-
-class SumDataset(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
-    """`n` random 4-vectors labelled with the sum of their entries, as dicts {"x", "labels"} (what HF's collator and
-    the model's keyword arguments expect; the other harnesses read the same keys)."""
-
-    def __init__(self, n: int, seed: int) -> None:
-        generator = torch.Generator().manual_seed(seed)
-        self.x = torch.randn(n, 4, generator=generator)
-        self.y = self.x.sum(dim=1, keepdim=True)
-
-    def __len__(self) -> int:
-        return len(self.x)
-
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        return {"x": self.x[index], "labels": self.y[index]}
 
 
 def train_dataset() -> SumDataset:

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from blowup_models import ArmedBlowup
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -42,17 +43,8 @@ from nanwatch.core.distributed import listener
 WAIT_S = 3.0
 
 
-class Blowup(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.armed = False
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * float("inf") if self.armed else x
-
-
 def _step(
-    model: nn.Module, optimizer: Any, handle: Any, record: dict[str, Any], step: int, *, armed: tuple[Blowup, bool]
+    model: nn.Module, optimizer: Any, handle: Any, record: dict[str, Any], step: int, *, armed: tuple[ArmedBlowup, bool]
 ) -> None:
     """One training step of micro-batch `step`, the blowup armed or not; the record says how far the run got."""
     armed[0].armed = armed[1]
@@ -64,7 +56,7 @@ def _step(
     record["steps_done"] = step + 1
 
 
-def _train(model: nn.Module, blowup: Blowup, arm_at: int | None, steps: int, record: dict[str, Any]) -> None:
+def _train(model: nn.Module, blowup: ArmedBlowup, arm_at: int | None, steps: int, record: dict[str, Any]) -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     with nanwatch.watch(model, optimizer=optimizer, rank_wait_s=WAIT_S, report_dir=None) as handle:
         _LAST.append(handle)
@@ -86,8 +78,8 @@ def _bell_of_last_watcher() -> Any:
     return None if board is None else board._bell
 
 
-def _model(width: int = 4) -> tuple[nn.Module, Blowup]:
-    blowup = Blowup()
+def _model(width: int = 4) -> tuple[nn.Module, ArmedBlowup]:
+    blowup = ArmedBlowup()
     if width != 4:  # another model: another structure (keys come from module classes and names, not from shapes)
         return nn.Sequential(nn.Linear(4, width), blowup, nn.ReLU(), nn.Linear(width, 1)), blowup
     return nn.Sequential(nn.Linear(4, width), blowup, nn.Linear(width, 1)), blowup

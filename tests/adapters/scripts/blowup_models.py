@@ -1,4 +1,8 @@
-"""Small models for the adapter tests and scripts: an inf appears at a chosen training micro-batch on a chosen rank."""
+"""Small models for the adapter tests and scripts: an inf appears at a chosen training micro-batch on a chosen rank.
+
+The multi-process scripts in this folder import it as `blowup_models` (they run with only this folder on the import
+path); in-process tests that share one of its models import it as `tests.adapters.scripts.blowup_models`.
+"""
 
 from __future__ import annotations
 
@@ -62,6 +66,19 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
+class ArmedBlowup(torch.nn.Module):
+    """Passes its input through; multiplies it by inf while `armed`, which the caller sets: the frames of that rank
+    hold the inf from that forward on (agreement_faults_run.py, and the two ranks in one process of
+    tests/core/test_ranks.py)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.armed = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * float("inf") if self.armed else x
+
+
 class TinyRegressor(torch.nn.Module):
     """Linear -> ReLU -> Blowup -> Linear, returning {"loss", "logits"} as a transformers model does."""
 
@@ -83,7 +100,12 @@ class TinyRegressor(torch.nn.Module):
 
 
 class SumDataset(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
-    """`n` random 4-vectors, each labelled with the sum of its entries."""
+    """`n` random 4-vectors, each labelled with the sum of its entries, as dicts {"x", "labels"} (what HF's collator
+    and a transformers-style model's keyword arguments expect; the other frameworks' loops read the same keys).
+
+    The scripts here, the checkpoint guard's tests and the conformance harnesses (tests/adapters/conformance/common.py)
+    all draw their data from it.
+    """
 
     def __init__(self, n: int = 64, seed: int = 0) -> None:
         generator = torch.Generator().manual_seed(seed)
