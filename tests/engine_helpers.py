@@ -55,7 +55,7 @@ def deferred_calls(watcher: Watcher) -> int:
     return sum(
         1
         for frame in watcher._recorder.unsettled
-        if type(frame) is DeferredFrame and frame._source[6] is deferral._outputs  # this round's, not yet measured
+        if type(frame) is DeferredFrame and frame.outputs is deferral._outputs  # this round's, not yet measured
     )
 
 

@@ -43,6 +43,7 @@ CORE = {
     "Feature",
     "Frame",
     "FrameRing",
+    "RecordedFrame",
     "Detection",
     "DetectionBoard",
     "Measurement",

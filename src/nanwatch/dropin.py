@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from nanwatch.core.frames import Entry, Frame, Role, resolve
+from nanwatch.core.frames import Entry, RecordedFrame, Role, resolve
 from nanwatch.core.report import MODULE_INDENT, TABLE_HEADER, format_entry, format_note_line
 from nanwatch.core.stats.measure import measure
 from nanwatch.core.torch_glue.hooks import HookSet
@@ -101,7 +101,7 @@ class DebugUnderflowOverflow:
     def analyse_variable(self, var: Any, ctx: str) -> None:
         if isinstance(var, torch.Tensor):
             # One tensor at a time, as transformers does: its role does not matter to the line printed.
-            entry = resolve([Frame("", "", 0, entries=[Entry(ctx, Role.OUTPUT, measure(var))])])[0].entries[0]
+            entry = resolve([RecordedFrame("", "", 0, entries=[Entry(ctx, Role.OUTPUT, measure(var))])])[0].entries[0]
             self.expand_frame(format_entry(entry))
             if detect_overflow(var, ctx):
                 self.detected_overflow = True

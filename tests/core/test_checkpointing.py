@@ -35,7 +35,7 @@ class Block(nn.Module):
         return x + self.act(self.fc(x)) * self.factor
 
 
-class Net(nn.Module):
+class CheckpointedNet(nn.Module):
     """Linear -> 2 blocks -> Linear; the blocks run under `checkpoint(use_reentrant=reentrant)`, or plainly (None)."""
 
     def __init__(self, reentrant: bool | None) -> None:
@@ -55,9 +55,9 @@ class Net(nn.Module):
         return self.out(hidden)
 
 
-def _net(reentrant: bool | None) -> Net:
+def _net(reentrant: bool | None) -> CheckpointedNet:
     torch.manual_seed(0)
-    return Net(reentrant)
+    return CheckpointedNet(reentrant)
 
 
 def _calls(module: nn.Module) -> list[int]:

@@ -25,7 +25,7 @@ from nanwatch.core.torch_glue.compiler import with_compiled_code
 Order = Callable[[nn.Module, str], tuple[nn.Module, nanwatch.WatchHandle]]
 
 
-class Block(nn.Module):
+class KeywordBlock(nn.Module):
     """A residual block that takes a keyword tensor, as transformers' blocks take their masks."""
 
     def __init__(self) -> None:
@@ -41,7 +41,7 @@ class Net(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.embed = nn.Linear(8, 16)
-        self.blocks = nn.ModuleList([Block(), Block()])
+        self.blocks = nn.ModuleList([KeywordBlock(), KeywordBlock()])
         self.head = nn.Linear(16, 2)
 
     def forward(self, x: torch.Tensor, scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -195,7 +195,7 @@ def test_a_compiled_watched_model_compiles_its_forward_and_nothing_is_set_on_its
     # the `forward` is what compiles and the root's hooks run outside the graph.
     x, scale = _batch(0), torch.full((), 0.5)
     model = _net()
-    classes = {kind: dict(vars(kind)) for kind in (Net, Block, nn.Linear)}
+    classes = {kind: dict(vars(kind)) for kind in (Net, KeywordBlock, nn.Linear)}
     handle = nanwatch.watch(model)
     compiled = torch.compile(model, backend="aot_eager")
     compiled(x, scale=scale)
@@ -218,7 +218,7 @@ def test_a_module_compiled_in_place_runs_its_compiled_code_while_watched() -> No
     for index in range(3):
         model(_batch(index), scale=scale)
         handle.step()
-    assert with_compiled_code([Block.forward.__code__]) == [Block.forward.__code__]
+    assert with_compiled_code([KeywordBlock.forward.__code__]) == [KeywordBlock.forward.__code__]
     assert not counters["graph_break"]
     frames = resolve(handle.watcher.recent_frames())
     handle.close()
@@ -237,7 +237,7 @@ def test_a_torch_nn_container_compiled_whole_runs_the_adapter_hooks_outside_the_
     with torch.no_grad():
         compiled(_batch(0))
         compiled(_batch(1))
-        assert handle.watcher.eval_batch_number == 2
+        assert handle.watcher.counters.eval_batch_number == 2
         x = _batch(2)
         x[0, 0] = float("inf")
         with pytest.raises(NonFiniteError) as caught:

@@ -6,7 +6,17 @@ import math
 
 import torch
 
-from nanwatch.core.frames import Direction, Entry, Frame, FrameRing, ResolvedEntry, ResolvedFrame, Role, resolve
+from nanwatch.core.frames import (
+    Direction,
+    Entry,
+    Frame,
+    FrameRing,
+    RecordedFrame,
+    ResolvedEntry,
+    ResolvedFrame,
+    Role,
+    resolve,
+)
 from nanwatch.core.stats.measure import measure
 
 FREE = {"non_finite_counts": (0, 0)}  # nan/inf counts known for free from a finite abs max
@@ -14,7 +24,7 @@ FREE = {"non_finite_counts": (0, 0)}  # nan/inf counts known for free from a fin
 
 def _frame(name: str, *tensors: torch.Tensor, batch: int = 0) -> Frame:
     entries = [Entry(f"input[{i}]", Role.INPUT, measure(t)) for i, t in enumerate(tensors)]
-    return Frame(name, "Linear", batch, entries=entries)
+    return RecordedFrame(name, "Linear", batch, entries=entries)
 
 
 def test_ring_keeps_only_the_last_frames() -> None:
@@ -54,7 +64,7 @@ def test_ring_last_gives_the_most_recent_frames_oldest_first() -> None:
 
 
 def test_a_backward_frame_shows_its_class_with_the_suffix_but_keeps_it_plain() -> None:
-    (frame,) = resolve([Frame("0", "Linear", 0, entries=[], direction=Direction.BACKWARD)])
+    (frame,) = resolve([RecordedFrame("0", "Linear", 0, entries=[], direction=Direction.BACKWARD)])
     assert frame.class_name == "Linear"
     assert frame.is_backward
     assert frame.shown_class == "Linear (backward)"
@@ -65,7 +75,7 @@ def test_resolve_reads_back_every_number() -> None:
     a = torch.tensor([-3.0, 0.5])
     b = torch.tensor([7, -2], dtype=torch.int32)
     c = torch.tensor([1.0, float("inf")], dtype=torch.float16)
-    frame = Frame(
+    frame = RecordedFrame(
         "encoder.0",
         "Linear",
         4,
@@ -105,8 +115,8 @@ def test_resolve_keeps_frame_order_and_handles_a_measurement_shared_by_two_frame
     # A module's output is the next module's input: the cache hands both frames the same Measurement object.
     shared = measure(torch.tensor([2.0, -9.0]))
     frames = [
-        Frame("first", "A", 0, entries=[Entry("output", Role.OUTPUT, shared)]),
-        Frame(
+        RecordedFrame("first", "A", 0, entries=[Entry("output", Role.OUTPUT, shared)]),
+        RecordedFrame(
             "second",
             "B",
             0,
@@ -123,7 +133,7 @@ def test_resolve_keeps_frame_order_and_handles_a_measurement_shared_by_two_frame
 
 def test_resolve_of_nothing() -> None:
     assert resolve([]) == []
-    (empty,) = resolve([Frame("", "Model", 0)])
+    (empty,) = resolve([RecordedFrame("", "Model", 0)])
     assert empty.entries == ()
     assert not empty.non_finite
 

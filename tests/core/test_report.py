@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from nanwatch.core.frames import Direction, Entry, Frame, ResolvedEntry, ResolvedFrame, Role, resolve
+from nanwatch.core.frames import Direction, Entry, RecordedFrame, ResolvedEntry, ResolvedFrame, Role, resolve
 from nanwatch.core.report import (
     MODULE_INDENT,
     TABLE_HEADER,
@@ -25,7 +25,7 @@ from nanwatch.core.stats.measure import measure
 def _frames() -> list[ResolvedFrame]:
     return resolve(
         [
-            Frame(
+            RecordedFrame(
                 "encoder.block.2.layer.1.DenseReluDense.wo",
                 "Linear",
                 3,
@@ -35,7 +35,7 @@ def _frames() -> list[ResolvedFrame]:
                     Entry("output", Role.OUTPUT, measure(torch.tensor([-3.18e-04, 6.27e04]))),
                 ],
             ),
-            Frame(
+            RecordedFrame(
                 "encoder.block.2.layer.1.dropout",
                 "Dropout",
                 3,
@@ -111,7 +111,7 @@ CASES = [(values, dtype) for values in FLOAT_VALUES for dtype in (torch.float32,
 def test_value_lines_match_transformers_get_abs_min_max(values: list[float], dtype: torch.dtype) -> None:
     debug_utils = pytest.importorskip("transformers.debug_utils")
     tensor = torch.tensor(values, dtype=torch.float64).to(dtype)
-    (frame,) = resolve([Frame("m", "M", 0, entries=[Entry("output", Role.OUTPUT, measure(tensor))])])
+    (frame,) = resolve([RecordedFrame("m", "M", 0, entries=[Entry("output", Role.OUTPUT, measure(tensor))])])
     assert format_entry(frame.entries[0]) == debug_utils.get_abs_min_max(tensor, "output")
 
 
@@ -191,7 +191,7 @@ def test_dict_and_json_carry_the_same_frames() -> None:
 
 def test_nan_becomes_a_string_in_json() -> None:
     nan = measure(torch.tensor([float("nan")]))
-    frames = resolve([Frame("m", "M", 0, entries=[Entry("output", Role.OUTPUT, nan)])])
+    frames = resolve([RecordedFrame("m", "M", 0, entries=[Entry("output", Role.OUTPUT, nan)])])
     entry = json.loads(Report(0, "train", 0, 1, "m", frames).to_json())["frames"][0]["entries"][0]
     assert entry["abs_min"] == "nan"
     assert entry["abs_max"] == "nan"

@@ -25,7 +25,7 @@ class Head(torch.nn.Module):
         return self.proj(self.dropout(x))
 
 
-class Net(torch.nn.Module):
+class EncoderAndHead(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.encoder = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8))
@@ -59,7 +59,7 @@ def hooked(model: torch.nn.Module) -> set[str]:
 def test_the_hooked_modules_are_exactly_those_the_globs_choose(
     include: list[str], exclude: list[str], expected: set[str]
 ) -> None:
-    model = Net()
+    model = EncoderAndHead()
     handle = nanwatch.watch(model, include_modules=include, exclude_modules=exclude, max_frames_to_save=100)
     try:
         # The plain handle adds its own phase hooks on the root; the root's frame hook is there only if chosen.
@@ -73,7 +73,7 @@ def test_the_hooked_modules_are_exactly_those_the_globs_choose(
 
 
 def test_globs_are_case_sensitive_and_cross_dots() -> None:
-    pairs = list(Net().named_modules())
+    pairs = list(EncoderAndHead().named_modules())
     assert [name for name, _ in select_modules(pairs, ["head*"], [])] == ["head", "head.dropout", "head.proj"]
     with pytest.raises(ConfigError, match="'Head\\*'"):
         select_modules(pairs, ["Head*"], [])
@@ -81,7 +81,7 @@ def test_globs_are_case_sensitive_and_cross_dots() -> None:
 
 @pytest.mark.parametrize("field", ["include_modules", "exclude_modules"])
 def test_a_pattern_that_matches_no_module_is_an_error_at_attach_naming_it(field: str) -> None:
-    model = Net()
+    model = EncoderAndHead()
     with pytest.raises(ConfigError) as caught:
         nanwatch.watch(model, **{field: ["encoder.*", "encodr.1"]})
     message = str(caught.value)
@@ -94,12 +94,12 @@ def test_a_pattern_that_matches_no_module_is_an_error_at_attach_naming_it(field:
 
 def test_patterns_that_leave_nothing_to_watch_are_an_error() -> None:
     with pytest.raises(ConfigError, match="leave none of the model.s"):
-        nanwatch.watch(Net(), include_modules=["head.*"], exclude_modules=["head.*"])
+        nanwatch.watch(EncoderAndHead(), include_modules=["head.*"], exclude_modules=["head.*"])
 
 
 def test_the_adapter_given_modules_are_the_ones_matched() -> None:
     # Adapters may pass their own (name, module) pairs, as Lightning does without the LightningModule itself.
-    model = Net()
+    model = EncoderAndHead()
     watcher = Watcher(model, WatchConfig(include_modules=["*"], exclude_modules=["encoder*"]))
     watcher.attach((name, module) for name, module in model.named_modules() if name)
     try:
@@ -133,7 +133,7 @@ def test_bad_scope_settings_name_the_field(values: dict[str, object], message: s
 
 
 def recorded_batches(config: dict[str, object], batches: int = 10) -> tuple[set[int], int]:
-    model = Net()
+    model = EncoderAndHead()
     seen_recording: list[int] = []
     with nanwatch.watch(model, max_frames_to_save=10_000, **config) as handle:
         for _ in range(batches):
@@ -169,7 +169,7 @@ def test_only_scheduled_batches_are_recorded_but_all_are_counted(config: dict[st
 
 def test_an_inf_in_an_unwatched_batch_is_not_seen_there() -> None:
     # The documented limit: nothing is recorded in batch 1, so its inf goes unnoticed; batch 2's is caught.
-    model = Net()
+    model = EncoderAndHead()
     with nanwatch.watch(model, watch_every_n_batches=2) as handle:
         model(torch.randn(2, 4)).sum()
         handle.step()
@@ -185,7 +185,7 @@ def test_a_detection_after_unwatched_batches_says_which_were_missed(
     nanwatch_log: pytest.LogCaptureFixture,
 ) -> None:
     # The weights go inf in unwatched batch 4; the next watched batch, 6, finds them so and says what it cannot know.
-    model = Net()
+    model = EncoderAndHead()
     with nanwatch.watch(model, watch_every_n_batches=3) as handle:
         for batch in range(7):
             if batch == 4:
@@ -205,7 +205,7 @@ def test_a_detection_after_unwatched_batches_says_which_were_missed(
 
 
 def test_no_missed_note_when_the_previous_batch_was_watched(nanwatch_log: pytest.LogCaptureFixture) -> None:
-    model = Net()
+    model = EncoderAndHead()
     with nanwatch.watch(model, watch_first_batch=1) as handle:
         model(torch.randn(2, 4))
         handle.step()
@@ -218,7 +218,7 @@ def test_no_missed_note_when_the_previous_batch_was_watched(nanwatch_log: pytest
 
 
 def test_evaluation_follows_watch_eval_not_the_batch_schedule() -> None:
-    model = Net()
+    model = EncoderAndHead()
     with nanwatch.watch(model, watch_eval=True, watch_first_batch=100):
         model.eval()
         with pytest.raises(NonFiniteError) as caught:
@@ -227,7 +227,7 @@ def test_evaluation_follows_watch_eval_not_the_batch_schedule() -> None:
 
 
 def test_the_schedule_survives_a_resume() -> None:
-    model = Net()
+    model = EncoderAndHead()
     watcher = Watcher(model, WatchConfig(watch_every_n_batches=4))
     assert watcher.recording
     watcher.load_state_dict({"batch_number": 5})

@@ -74,7 +74,7 @@ def test_frames_are_named_by_qualified_name_in_hook_order() -> None:
 
 
 def test_a_shared_module_takes_the_first_name_and_records_each_call() -> None:
-    class Twice(nn.Module):
+    class TwoNames(nn.Module):
         def __init__(self) -> None:
             super().__init__()
             self.first = nn.Linear(3, 3)
@@ -83,7 +83,7 @@ def test_a_shared_module_takes_the_first_name_and_records_each_call() -> None:
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return self.second(self.first(x))
 
-    model = Twice()
+    model = TwoNames()
     watcher = Watcher(model, WatchConfig())
     watcher.attach()
     x = torch.randn(2, 3)
@@ -97,7 +97,7 @@ def test_a_shared_module_takes_the_first_name_and_records_each_call() -> None:
 
 @pytest.mark.parametrize("change", ["in place", "replaced", "data assigned"])
 def test_a_weight_changed_between_two_calls_of_one_batch_is_measured_again(change: str) -> None:
-    class Twice(nn.Module):
+    class NewWeightForSecondCall(nn.Module):
         def __init__(self) -> None:
             super().__init__()
             self.layer = nn.Linear(3, 3)
@@ -114,7 +114,7 @@ def test_a_weight_changed_between_two_calls_of_one_batch_is_measured_again(chang
             return self.layer(first)
 
     torch.manual_seed(0)
-    model = Twice()
+    model = NewWeightForSecondCall()
     before = _abs_range(model.layer.weight)
     watcher = Watcher(model, WatchConfig())
     watcher.attach()
@@ -179,10 +179,10 @@ def test_batch_number_advances_only_at_end_batch() -> None:
     x = torch.randn(2, 4)
     model(x)
     model(x)
-    assert watcher.batch_number == 0
+    assert watcher.counters.batch_number == 0
     assert {f.batch_number for f in watcher.recent_frames()} == {0}
     watcher.end_batch()
-    assert watcher.batch_number == 1
+    assert watcher.counters.batch_number == 1
     model(x)
     assert watcher.recent_frames()[-1].batch_number == 1
 
@@ -257,8 +257,8 @@ def test_eval_phase_is_recorded_only_with_watch_eval_and_counted_apart() -> None
         model(torch.randn(2, 4))
         assert len(watcher.recent_frames()) == (5 if watch_eval else 0)
         watcher.end_batch()
-        assert watcher.batch_number == 0
-        assert watcher.eval_batch_number == 1
+        assert watcher.counters.batch_number == 0
+        assert watcher.counters.eval_batch_number == 1
         watcher.start_batch("train")
         assert watcher.recording
 
@@ -460,7 +460,7 @@ def test_a_failure_in_measuring_disables_watching_and_the_run_goes_on(monkeypatc
     model[2].factor = math.inf
     model(x)  # no second warning, nothing recorded
     watcher.end_batch()
-    assert watcher.batch_number == 1
+    assert watcher.counters.batch_number == 1
     watcher.start_batch("train")
     assert not watcher.recording  # a phase change does not switch a disabled watcher back on
 
@@ -482,7 +482,7 @@ def test_a_failure_in_checking_disables_watching(monkeypatch: pytest.MonkeyPatch
         monkeypatch.setattr(nanwatch.core.features.headroom.HeadroomMonitor, "screen", broken)
     with pytest.warns(NanwatchWarning, match="simulated check bug"):
         watcher.end_batch()
-    assert watcher.batch_number == 1
+    assert watcher.counters.batch_number == 1
     assert watcher.disabled_reason is not None
 
 
@@ -508,7 +508,7 @@ def test_numpy_and_tensor_counters_reach_the_report_as_whole_numbers(tmp_path: P
 def test_a_counter_that_is_no_number_is_left_out_not_fatal(nanwatch_log: pytest.LogCaptureFixture) -> None:
     watcher = Watcher(nn.Sequential(nn.Identity()), WatchConfig())
     watcher.set_counters(epoch="one")  # type: ignore[arg-type]
-    assert watcher.epoch is None
+    assert watcher.counters.epoch is None
     assert any("epoch must be a whole number, got 'one'" in r.getMessage() for r in nanwatch_log.records)
 
 
@@ -551,5 +551,5 @@ def test_a_bug_in_deciding_what_to_watch_disables_watching_and_the_run_goes_on(
     assert watcher.disabled_reason is not None
     model(torch.randn(2, 4))
     watcher.end_batch()  # the run goes on
-    assert watcher.batch_number == 2
+    assert watcher.counters.batch_number == 2
     watcher.close(check=False)

@@ -2,7 +2,8 @@
 
 Layers, each importing only those below it (enforced by import-linter, see pyproject.toml): errors -> leaves (config,
 log, walk, torch_glue/, scope) -> distributed/ -> stats -> frames -> report -> feature_api -> formats -> engine/ and
-features/ -> watcher. The names below are imported when first used, so reading reports (`nanwatch show`) never imports torch.
+features/ -> watcher. The names below are imported when first used, so reading reports (`nanwatch show`) never
+imports torch.
 """
 
 from __future__ import annotations
@@ -16,7 +17,16 @@ if TYPE_CHECKING:
     from nanwatch.core.distributed.board import DetectionBoard
     from nanwatch.core.distributed.ranks import Detection, world_size_and_rank
     from nanwatch.core.feature_api import EngineContext, Feature
-    from nanwatch.core.frames import Direction, Entry, Frame, FrameRing, ResolvedEntry, ResolvedFrame, Role
+    from nanwatch.core.frames import (
+        Direction,
+        Entry,
+        Frame,
+        FrameRing,
+        RecordedFrame,
+        ResolvedEntry,
+        ResolvedFrame,
+        Role,
+    )
     from nanwatch.core.report import Report
     from nanwatch.core.stats.cache import StatsCache
     from nanwatch.core.stats.measure import Measurement, measure
@@ -31,6 +41,7 @@ __all__ = [
     "Feature",
     "Frame",
     "FrameRing",
+    "RecordedFrame",
     "Detection",
     "DetectionBoard",
     "Measurement",
@@ -56,6 +67,7 @@ _HOMES = {
     "Entry": "nanwatch.core.frames",
     "Frame": "nanwatch.core.frames",
     "FrameRing": "nanwatch.core.frames",
+    "RecordedFrame": "nanwatch.core.frames",
     "ResolvedEntry": "nanwatch.core.frames",
     "ResolvedFrame": "nanwatch.core.frames",
     "Role": "nanwatch.core.frames",

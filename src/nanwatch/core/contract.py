@@ -147,9 +147,6 @@ class AdapterContract(EngineState, Protocol):
 
     # ------------------------------------------------------------------------------------- counters, state
 
-    @property
-    def eval_batch_number(self) -> int: ...
-
     def set_counters(self, *, optimizer_step: Kept = KEEP, epoch: Kept = KEEP) -> None:
         """The framework's counters as they are now."""
 

@@ -51,6 +51,7 @@ __all__ = [
     "OptimizerStage",
     "Phase",
     "QUARANTINE_FOLDER",
+    "RunCounters",
     "WriteAside",
 ]
 
@@ -84,6 +85,39 @@ class WriteAside:
     write: Callable[[str], None]
 
 
+class RunCounters(Protocol):
+    """Where the run is, read-only: what a report and an error carry (`watcher.counters`, `ctx.counters`)."""
+
+    @property
+    def phase(self) -> Phase:
+        """The phase the next frames belong to."""
+
+    @property
+    def batch_number(self) -> int:
+        """The current (or next) training micro-batch (what transformers' tool calls `batch_number`)."""
+
+    @property
+    def eval_batch_number(self) -> int:
+        """The current (or next) evaluation micro-batch."""
+
+    @property
+    def current_batch(self) -> int:
+        """The current micro-batch of the current phase."""
+
+    @property
+    def last_batch(self) -> int:
+        """The micro-batch that ran last: the current one, except between a training micro-batch's end and the next
+        one's start (an adapter may end a micro-batch before its optimizer step)."""
+
+    @property
+    def optimizer_step(self) -> int | None:
+        """The optimizer steps done: the framework's own count where it keeps one."""
+
+    @property
+    def epoch(self) -> int | None:
+        """The framework's epoch, where it keeps one."""
+
+
 class EngineState(Protocol):
     """What both a feature (`EngineContext`) and an adapter (`core/contract.py`) may read of the engine."""
 
@@ -104,17 +138,9 @@ class EngineState(Protocol):
         """Where hook handles go, so that closing the engine removes them with its own."""
 
     @property
-    def phase(self) -> Phase: ...
-    @property
-    def batch_number(self) -> int:
-        """The current (or next) training micro-batch."""
+    def counters(self) -> RunCounters:
+        """Where the run is: the phase and the micro-batch, optimizer-step and epoch counters (read-only)."""
 
-    @property
-    def optimizer_step(self) -> int | None:
-        """The optimizer steps done: the framework's own count where it keeps one."""
-
-    @property
-    def epoch(self) -> int | None: ...
     @property
     def recording(self) -> bool:
         """False in an unwatched batch, a phase not watched, or once watching was disabled."""
@@ -135,18 +161,10 @@ class EngineContext(EngineState, Protocol):
     def rank(self) -> int: ...
     @property
     def world_size(self) -> int: ...
-    @property
-    def current_batch(self) -> int:
-        """The current micro-batch of the current phase."""
 
     @property
     def guarded(self) -> bool:
         """An adapter checks before each optimizer step (core/features/guard.py)."""
-
-    @property
-    def last_batch(self) -> int:
-        """The micro-batch that ran last: the current one, except between a training micro-batch's end and the next
-        one's start (an adapter may end a micro-batch before its optimizer step)."""
 
     @property
     def frames_finite(self) -> bool:

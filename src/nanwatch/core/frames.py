@@ -28,6 +28,7 @@ __all__ = [
     "Entry",
     "Frame",
     "FrameRing",
+    "RecordedFrame",
     "GRAD_PREFIX",
     "ResolvedEntry",
     "ResolvedFrame",
@@ -78,9 +79,43 @@ class Entry:
     note: str | None = None  # set instead of a measurement: "None", "not a tensor", "nested too deep", ...
 
 
-@dataclass(slots=True)
 class Frame:
-    """What one call of one module saw: its own parameters, its inputs and its outputs (or their gradients)."""
+    """What one call of one module saw: its own parameters, its inputs and its outputs (or their gradients).
+
+    What every reader of a frame may read. Two kinds hold it: a `RecordedFrame` holds its lines as they were made at the
+    call; a deferred call's frame (core/engine/recording/deferred_frames.py) makes them when first read.
+    """
+
+    __slots__ = ()
+
+    @property
+    def module_name(self) -> str:
+        raise NotImplementedError
+
+    @property
+    def class_name(self) -> str:
+        raise NotImplementedError
+
+    @property
+    def batch_number(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def phase(self) -> str:
+        raise NotImplementedError
+
+    @property
+    def entries(self) -> list[Entry]:
+        raise NotImplementedError
+
+    @property
+    def direction(self) -> Direction:
+        raise NotImplementedError
+
+
+@dataclass(slots=True)
+class RecordedFrame(Frame):
+    """A frame whose lines were made as its call returned (or as its gradients were produced)."""
 
     module_name: str
     class_name: str

@@ -10,7 +10,7 @@ Where each thing happens:
 - core/engine/arbiter.py: a detection from found to held to agreed across ranks to raised;
 - core/engine/publisher.py: the report into the log and onto disk;
 - core/engine/feature_set.py: the features (core/features/), which plug into the events of core/feature_api.py;
-- core/engine/readings.py: what the facade offers to read (counters, readouts, recent frames).
+- core/engine/watcher_reads.py: what the facade offers to read (counters, readouts, recent frames).
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from nanwatch.core.engine.counters import PHASES
 from nanwatch.core.engine.feature_context import Fixed
 from nanwatch.core.engine.held_model import Held
 from nanwatch.core.engine.nothing_recorded import nothing_recorded
-from nanwatch.core.engine.readings import Readings
 from nanwatch.core.engine.recording.recorder import hook_code, own_code
+from nanwatch.core.engine.watcher_reads import WatcherReads
 from nanwatch.core.feature_api import KEEP, Feature, Kept, OptimizerStage, Phase, WriteAside
 from nanwatch.core.features import features_for
 from nanwatch.core.formats.files import prepare_report_dir
@@ -57,7 +57,7 @@ _F = TypeVar("_F", bound=Feature)
 _T = TypeVar("_T")
 
 
-class Watcher(Readings):
+class Watcher(WatcherReads):
     """Records what every module of `model` sees and finds the first inf/nan.
 
     Args:
@@ -96,8 +96,9 @@ class Watcher(Readings):
         self._hooks = HookSet()
         fixed = Fixed(config, self.rank, self.world_size, self.logger, self._hooks)
         parts = assemble(self, fixed, features_for(config), on_raise=self._micro_batch_raised)
-        self._schedule, self._cache, self._counters, self._features = parts[:4]
-        self._recorder, self._checker, self._publisher, self._arbiter = parts[4:]
+        self._schedule, self._cache, self._counters = parts.schedule, parts.cache, parts.counters
+        self._features, self._recorder, self._checker = parts.features, parts.recorder, parts.checker
+        self._publisher, self._arbiter = parts.publisher, parts.arbiter
         self._update_recording()
 
     # ------------------------------------------------------------------------------------ the adapter contract

@@ -38,7 +38,7 @@ def _abs_max_of_input(module: nn.Module) -> list[float]:
     return seen
 
 
-class Block(nn.Module):
+class LinearTanh(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.fc = nn.Linear(8, 8)
@@ -51,8 +51,8 @@ class Block(nn.Module):
 class Net(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.first = Block()
-        self.second = Block()
+        self.first = LinearTanh()
+        self.second = LinearTanh()
         self.head = nn.Linear(8, 2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -289,7 +289,7 @@ def test_a_backward_nan_names_the_backward_that_made_it() -> None:
 
 def test_roles_come_from_what_was_recorded_not_from_label_text() -> None:
     # A parameter named like an output or a gradient is still a parameter: a label parser would misread both.
-    class Odd(nn.Module):
+    class NamedLikeLabels(nn.Module):
         def __init__(self) -> None:
             super().__init__()
             self.output = nn.Parameter(torch.ones(2))
@@ -298,7 +298,7 @@ def test_roles_come_from_what_was_recorded_not_from_label_text() -> None:
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return x * self.output * self.grad_scale
 
-    model = nn.Sequential(Odd())
+    model = nn.Sequential(NamedLikeLabels())
     with torch.no_grad():
         model[0].output[0] = float("inf")
     with nanwatch.watch(model) as handle:

@@ -371,7 +371,7 @@ def test_config_fields_are_validated() -> None:
 # ------------------------------------------------------------------------------ in the report, whatever detects
 
 
-class _Regressor(nn.Module):
+class _Float16Regressor(nn.Module):
     """A float16 regressor whose output is large enough for float16 (8.4e3), but not squared (7e7)."""
 
     def __init__(self) -> None:
@@ -399,7 +399,7 @@ def test_the_value_near_the_limit_that_made_the_loss_overflow_is_in_the_report(h
     # frame is inf and the detection is a frame's; before, the headroom warning about the output was never given,
     # since a batch holding inf/nan skipped it, and the report said nothing of it either. Not handed over, the guard
     # stops the step on the gradients: the warning is logged, and now the report holds it too.
-    model = _Regressor()
+    model = _Float16Regressor()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     features, targets = torch.ones(3, 4, dtype=torch.float16), torch.zeros(3, 2, dtype=torch.float16)
 

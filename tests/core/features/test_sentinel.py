@@ -103,7 +103,7 @@ def test_an_inf_that_never_reaches_the_output_is_not_seen_by_the_sentinel(name: 
 # ------------------------------------------------------------------------------ BatchNorm and Dropout
 
 
-class Blowup(nn.Module):
+class BlowupAbove(nn.Module):
     """Multiplies by 1e39 (inf in float32) when its input's first value is above `threshold`."""
 
     def __init__(self, threshold: float) -> None:
@@ -117,7 +117,7 @@ class Blowup(nn.Module):
 def _bn_dropout_net() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(
-        nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Dropout(0.3), Blowup(1.5), nn.Linear(16, 1)
+        nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Dropout(0.3), BlowupAbove(1.5), nn.Linear(16, 1)
     )
 
 
@@ -318,7 +318,7 @@ def test_large_finite_eval_outputs_are_no_alarm_and_an_infinite_one_is() -> None
         with pytest.raises(NonFiniteError) as caught:
             model(-torch.ones(1, 2))
     assert (caught.value.phase, caught.value.batch_number) == ("eval", 2)
-    assert handle.watcher.eval_batch_number == 2
+    assert handle.watcher.counters.eval_batch_number == 2
     assert "the sentinel saw inf/nan in output.large of the model" in caught.value.report
 
 

@@ -124,7 +124,7 @@ def test_a_summary_is_sent_every_n_batches_and_only_with_new_numbers() -> None:
         before = len(sent)
         run_batches(watcher, model, [torch.randn(2, 4)])
         if len(sent) > before:
-            sent_after.append(watcher.batch_number)
+            sent_after.append(watcher.counters.batch_number)
     watcher.close(check=False)
     # Due after 2, 4, 6, 8, 10 batches; the one after 6 would repeat batch 3's numbers (sent after 4): skipped.
     assert sent_after == [2, 4, 8, 10]
@@ -173,7 +173,7 @@ def test_a_failing_sink_is_logged_and_the_run_goes_on(nanwatch_log: pytest.LogCa
     watcher.attach()
     run_batches(watcher, model, [torch.randn(2, 4) for _ in range(3)])
     watcher.close(check=False)
-    assert watcher.batch_number == 3
+    assert watcher.counters.batch_number == 3
     failures = [r.getMessage() for r in nanwatch_log.records if r.levelno == logging.WARNING]
     assert len(failures) == 3
     assert "could not send its summary (the run goes on)" in failures[0]

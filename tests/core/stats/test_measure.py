@@ -11,7 +11,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from nanwatch.core.frames import Entry, Frame, Role, resolve
+from nanwatch.core.frames import Entry, Frame, RecordedFrame, Role, resolve
 from nanwatch.core.report import format_entry
 from nanwatch.core.stats.cache import StatsCache
 from nanwatch.core.stats.grouped import MagnitudePlan
@@ -96,7 +96,7 @@ def test_non_contiguous_scalar_and_grad_requiring_tensors() -> None:
 
 
 def _line(tensor: torch.Tensor, label: str = "x") -> str:
-    frame = Frame("m", "M", 0, entries=[Entry(label, Role.INPUT, measure(tensor))])
+    frame = RecordedFrame("m", "M", 0, entries=[Entry(label, Role.INPUT, measure(tensor))])
     return format_entry(resolve([frame])[0].entries[0])
 
 
@@ -128,7 +128,7 @@ def test_float8_nan_and_inf_are_detected() -> None:
     with_nan = torch.tensor([1.0, float("nan")]).to(torch.float8_e4m3fn)  # e4m3fn has nan but no inf
     with_inf = torch.tensor([1.0, float("-inf")]).to(torch.float8_e5m2)
     for tensor in (with_nan, with_inf):
-        frame = Frame("m", "M", 0, entries=[Entry("x", Role.INPUT, measure(tensor))])
+        frame = RecordedFrame("m", "M", 0, entries=[Entry("x", Role.INPUT, measure(tensor))])
         assert find_non_finite([frame])
         assert resolve([frame])[0].non_finite
 
@@ -166,7 +166,7 @@ def test_wide_unsigned_integers_are_measured_exactly(dtype: torch.dtype) -> None
     assert m.dtype == dtype
     assert m.shape == (2, 2)
     assert _line(tensor) == f"7.00e+00 {float(top):8.2e} x"
-    assert not find_non_finite([Frame("m", "M", 0, entries=[Entry("x", Role.INPUT, m)])])
+    assert not find_non_finite([RecordedFrame("m", "M", 0, entries=[Entry("x", Role.INPUT, m)])])
 
 
 def test_uint64_is_marked_not_measured() -> None:
@@ -178,7 +178,7 @@ def test_uint64_is_marked_not_measured() -> None:
     assert m.abs_max is None
     assert m.dtype == torch.uint64
     assert _line(tensor, "output") == "uint64 not measured output"
-    assert not find_non_finite([Frame("m", "M", 0, entries=[Entry("x", Role.INPUT, m)])])
+    assert not find_non_finite([RecordedFrame("m", "M", 0, entries=[Entry("x", Role.INPUT, m)])])
 
 
 @pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors:UserWarning")
@@ -188,7 +188,7 @@ def test_nested_tensor_is_measured_over_all_its_components() -> None:
     assert _values(StatsCache().activation(nested)) == (0.25, 3.0)
     assert _line(nested) == "2.50e-01 3.00e+00 x (nested: values)"
     nested_inf = torch.nested.as_nested_tensor([torch.ones(2), torch.full((3,), float("-inf"))], layout=torch.jagged)
-    frame = Frame("m", "M", 0, entries=[Entry("x", Role.INPUT, measure(nested_inf))])
+    frame = RecordedFrame("m", "M", 0, entries=[Entry("x", Role.INPUT, measure(nested_inf))])
     assert find_non_finite([frame])
 
 
@@ -214,10 +214,10 @@ def test_sparse_tensors_are_measured_on_their_stored_values(to_sparse: Callable[
     assert (m.skipped, m.note, m.shape) == (None, f"{kind}: values", (2, 4))
     assert _values(m) == stored
     assert _line(sparse, "output") == f"{stored[0]:8.2e} {stored[1]:8.2e} output ({kind}: values)"
-    assert not find_non_finite([Frame("m", "M", 0, entries=[Entry("x", Role.OUTPUT, m)])])
+    assert not find_non_finite([RecordedFrame("m", "M", 0, entries=[Entry("x", Role.OUTPUT, m)])])
     dense[1, 0] = math.nan
     with_nan = to_sparse(dense)
-    assert find_non_finite([Frame("m", "M", 0, entries=[Entry("x", Role.OUTPUT, measure(with_nan))])])
+    assert find_non_finite([RecordedFrame("m", "M", 0, entries=[Entry("x", Role.OUTPUT, measure(with_nan))])])
     assert count_non_finite(with_nan).tolist() == [1, 0]
     extra = measure(with_nan, (("non_finite_counts", count_non_finite),)).extra
     assert extra is not None
@@ -252,7 +252,7 @@ def test_quantized_tensor_is_measured_on_its_values() -> None:
 def test_nan_and_inf_are_detected(dtype: torch.dtype, bad: float) -> None:
     tensor = torch.tensor([1.0, -2.0, 3.0]).to(dtype)
     tensor[1] = bad
-    frame = Frame("m", "M", 0, entries=[Entry("x", Role.INPUT, measure(tensor))])
+    frame = RecordedFrame("m", "M", 0, entries=[Entry("x", Role.INPUT, measure(tensor))])
     assert find_non_finite([frame])
     entry = resolve([frame])[0].entries[0]
     assert entry.non_finite
@@ -262,12 +262,12 @@ def test_nan_and_inf_are_detected(dtype: torch.dtype, bad: float) -> None:
 
 def test_fp16_overflow_from_arithmetic_is_detected() -> None:
     big = torch.full((4,), 60000.0, dtype=torch.float16)
-    frame = Frame("m", "M", 0, entries=[Entry("x", Role.INPUT, measure(big * 2))])
+    frame = RecordedFrame("m", "M", 0, entries=[Entry("x", Role.INPUT, measure(big * 2))])
     assert find_non_finite([frame])
 
 
 def test_integer_and_bool_tensors_are_never_non_finite() -> None:
-    frame = Frame(
+    frame = RecordedFrame(
         "m",
         "M",
         0,
@@ -427,7 +427,7 @@ def test_cache_clear_forgets_parameters() -> None:
 
 
 def _frame(name: str, *tensors: torch.Tensor) -> Frame:
-    return Frame(
+    return RecordedFrame(
         name, "Linear", 0, entries=[Entry(f"input[{i}]", Role.INPUT, measure(t)) for i, t in enumerate(tensors)]
     )
 
@@ -449,7 +449,7 @@ def test_the_check_sees_one_bad_value_among_many(bad: float, dtype: torch.dtype)
 
 
 def test_the_check_ignores_notes_skipped_integer_and_bool_entries() -> None:
-    frame = Frame(
+    frame = RecordedFrame(
         "m",
         "M",
         0,

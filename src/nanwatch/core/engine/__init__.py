@@ -7,7 +7,7 @@
 - `publisher`: a report into the log and onto disk, before anything raises;
 - `feature_set`: the features (core/features/) and how their events are dispatched;
 - `feature_context`: the `EngineContext` features get (core/feature_api.py declares it);
-- `readings`: what the facade offers adapters to read;
+- `watcher_reads`: what the facade offers adapters to read;
 - `assembly`: how the parts are made and wired; `held_model`: the model, held weakly once closed;
   `nothing_recorded`: the warning for a watched batch that recorded nothing.
 """

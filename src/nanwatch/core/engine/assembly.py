@@ -41,23 +41,20 @@ def assemble(facade: Facade, fixed: Fixed, features: list[Feature], *, on_raise:
         features: from `features_for(config)` (the facade's choice: the engine knows no concrete feature).
         on_raise: called as a detection is raised (the micro-batch ends there).
     """
-    config, rank, world_size, logger, _ = fixed
+    config, rank, world_size, logger = fixed.config, fixed.rank, fixed.world_size, fixed.logger
     disable = facade.disable
     schedule = BatchSchedule(config)
     cache = StatsCache(extra_kernels(config))
     counters = Counters(logger)
     plugins = FeatureSet(features, disable)
-    checkers: list[Checker] = []  # the recorder asks the checker for an early check; made just below
     recorder = Recorder(
         counters,
         cache,
         show_recomputes=config.watch_gradients,
         trace=lambda frame, module, args, output: plugins.dispatch("on_frame", frame, module, args, output),
-        overflow=lambda: checkers[0].check_early(),
         disable=disable,
     )
     checker = Checker(config, counters, recorder, cache, plugins, rank=rank, world_size=world_size, disable=disable)
-    checkers.append(checker)
     publisher = Publisher(config, logger, schedule, plugins, disable)
     board = DetectionBoard.for_model(facade.model, facade.entry, rank, world_size, config.rank_wait_s)
     votes = None
@@ -82,5 +79,5 @@ def assemble(facade: Facade, fixed: Fixed, features: list[Feature], *, on_raise:
         votes=votes,
         scaler_skipped_since=scaler_skipped_since,
     )
-    plugins.ctx = EngineView(facade, fixed, counters, recorder, checker, publisher, plugins, cache, schedule)
+    plugins.bind(EngineView(facade, fixed, counters, recorder, checker, publisher, plugins, cache, schedule))
     return Parts(schedule, cache, counters, plugins, recorder, checker, publisher, arbiter)

@@ -63,6 +63,7 @@ class Checker:
         # A detection found when a loop that never ends its batches let the pending frames pile up, checked early
         # (`check_early`): raised at the next check, where ranks can meet, rather than from inside a hook.
         self._found_early: Report | None = None
+        recorder.when_full = self.check_early  # a micro-batch too long to wait for its end
 
     @property
     def _ctx(self) -> EngineContext:

@@ -5,16 +5,23 @@ from __future__ import annotations
 import logging
 import operator
 from collections.abc import Mapping
-from typing import Any, Generic, TypeVar, overload
+from typing import Any, Generic, NamedTuple, TypeVar, overload
 
 import torch
 
 from nanwatch.core.feature_api import KEEP, Kept, Phase
 
-__all__ = ["KEEP", "PHASES", "Counters", "Kept"]
+__all__ = ["KEEP", "PHASES", "Counters", "Kept", "Stamp"]
 
 PHASES: tuple[Phase, ...] = ("train", "eval")
 _T = TypeVar("_T")
+
+
+class Stamp(NamedTuple):
+    """What every frame made now carries: the current micro-batch of the current phase, and the phase."""
+
+    batch_number: int
+    phase: Phase
 
 
 class _Restamps(Generic[_T]):
@@ -39,7 +46,8 @@ class _Restamps(Generic[_T]):
 
 
 class Counters:
-    """The counters a report and an error carry, and the phase the next frames belong to.
+    """The counters a report and an error carry, and the phase the next frames belong to. The engine's parts change
+    them; everyone else reads them as `RunCounters` (core/feature_api.py), read-only.
 
     `batch_number` counts training micro-batches (what transformers' tool calls `batch_number`), `eval_batch_number`
     evaluation ones; `optimizer_step` and `epoch` are the framework's own counts, None where it keeps none.
@@ -51,7 +59,7 @@ class Counters:
         self._eval_batch_number = 0
         # `(current_batch, phase)`, kept as the three change: what every frame made from now on carries (read at each
         # module call, where two attribute reads and a test add up).
-        self.stamp: tuple[int, Phase] = (0, "train")
+        self.stamp = Stamp(0, "train")
         self.optimizer_step: int | None = None
         self.epoch: int | None = None
         self.batch_started = False  # a training forward ran since the last training micro-batch ended
@@ -64,12 +72,12 @@ class Counters:
 
     def _restamp(self) -> None:
         phase = self._phase
-        self.stamp = (self._batch_number if phase == "train" else self._eval_batch_number, phase)
+        self.stamp = Stamp(self._batch_number if phase == "train" else self._eval_batch_number, phase)
 
     @property
     def current_batch(self) -> int:
         """The current micro-batch of the current phase (derived once, in `_restamp`)."""
-        return self.stamp[0]
+        return self.stamp.batch_number
 
     @property
     def last_batch(self) -> int:

@@ -77,7 +77,8 @@ class EngineView:
         schedule: BatchSchedule,
     ) -> None:
         self._facade = facade
-        self.config, self.rank, self.world_size, self.logger, self.hooks = fixed
+        self.config, self.rank, self.world_size = fixed.config, fixed.rank, fixed.world_size
+        self.logger, self.hooks = fixed.logger, fixed.hooks
         self._counters = counters
         self._recorder = recorder
         self._checker = checker
@@ -93,12 +94,7 @@ class EngineView:
     disabled_reason = property(lambda self: self._facade.disabled_reason)
     summary_sink = property(lambda self: self._facade.summary_sink)
     # What the parts hold.
-    phase = property(lambda self: self._counters.phase)
-    batch_number = property(lambda self: self._counters.batch_number)
-    current_batch = property(lambda self: self._counters.current_batch)
-    last_batch = property(lambda self: self._counters.last_batch)
-    optimizer_step = property(lambda self: self._counters.optimizer_step)
-    epoch = property(lambda self: self._counters.epoch)
+    counters = property(lambda self: self._counters)
     recording = property(lambda self: self._recorder.recording)
     tracing = property(lambda self: self._recorder.tracing)
     frames_finite = property(lambda self: self._checker.frames_finite)

@@ -26,7 +26,12 @@ class FeatureSet:
     def __init__(self, features: list[Feature], disable: Callable[[str], None]) -> None:
         self._features = features
         self._disable = disable
-        self.ctx: EngineContext | None = None  # set once the engine has made its context
+        self.ctx: EngineContext | None = None  # the context the features are handed: `bind`
+
+    def bind(self, ctx: EngineContext) -> None:
+        """The context every event hands the features: made last, from the parts (core/engine/assembly.py), since
+        it reads them all."""
+        self.ctx = ctx
 
     def __iter__(self) -> Iterator[Feature]:
         return iter(self._features)

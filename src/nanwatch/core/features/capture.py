@@ -108,7 +108,7 @@ class ReplayCapture(Feature):
         if not module.training and not ctx.config.watch_eval:
             return
         # An unwatched training batch records nothing, so nothing in it can be reported or replayed: no copy.
-        if module.training and not ctx.watches_batch(ctx.batch_number):
+        if module.training and not ctx.watches_batch(ctx.counters.batch_number):
             return
         try:
             self._take(module, args, kwargs)
@@ -135,7 +135,7 @@ class ReplayCapture(Feature):
     def _after_forward(self, module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
         if self._taking and self._ctx is not None:
             self._taking = False
-            self._label = (self._ctx.phase, self._ctx.current_batch)
+            self._label = (self._ctx.counters.phase, self._ctx.counters.current_batch)
 
     def _release(self) -> None:
         # The RNG states too: the CPU generator's alone is a 5,056-byte tensor. What a user keeps of a detection is

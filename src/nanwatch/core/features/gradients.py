@@ -46,7 +46,7 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from nanwatch.core.feature_api import EngineContext, Feature, Phase
-from nanwatch.core.frames import GRAD_PREFIX, Direction, Entry, Frame, Role
+from nanwatch.core.frames import GRAD_PREFIX, Direction, Entry, Frame, RecordedFrame, Role
 from nanwatch.core.stats.measure import Measurement
 from nanwatch.core.torch_glue.hooks import module_class_name, recomputing
 from nanwatch.core.walk import walk
@@ -225,7 +225,7 @@ class GradientRecorder(Feature):
     ) -> None:
         entry = Entry(label, role, measurement)
         frame = self._open
-        batch = ctx.current_batch
+        batch = ctx.counters.current_batch
         if (
             frame is not None
             and frame.module_name == name
@@ -235,9 +235,11 @@ class GradientRecorder(Feature):
             # Consecutive lines of one module make one frame; the order of the ring stays the order of production.
             frame.entries.append(entry)
             if ctx.tracing:  # the trace is a stream: it gets this line on its own, under the module's header
-                ctx.trace_frame(Frame(name, class_name, batch, ctx.phase, [entry], Direction.BACKWARD), module)
+                ctx.trace_frame(
+                    RecordedFrame(name, class_name, batch, ctx.counters.phase, [entry], Direction.BACKWARD), module
+                )
             return
-        frame = Frame(name, class_name, batch, ctx.phase, [entry], Direction.BACKWARD)
+        frame = RecordedFrame(name, class_name, batch, ctx.counters.phase, [entry], Direction.BACKWARD)
         self._open = frame
         ctx.add_frame(frame, module)
 

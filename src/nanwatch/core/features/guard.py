@@ -58,7 +58,7 @@ class GradientGuard(Feature):
         self._plans = _Plans()
 
     def on_loss(self, ctx: EngineContext, loss: torch.Tensor) -> None:
-        self._loss_batch = (ctx.phase, ctx.current_batch)
+        self._loss_batch = (ctx.counters.phase, ctx.counters.current_batch)
 
     def on_optimizer_step(
         self, ctx: EngineContext, stage: OptimizerStage, optimizer: torch.optim.Optimizer | None
@@ -108,7 +108,7 @@ class GradientGuard(Feature):
         shown = ", ".join(f"{name} {_word(value)}" for name, value in bad[:MAX_NAMED])
         more = f" and {len(bad) - MAX_NAMED} more" if len(bad) > MAX_NAMED else ""
         line = (
-            f"non-finite gradients about to be applied by optimizer step {ctx.optimizer_step}: {shown}{more} "
+            f"non-finite gradients about to be applied by optimizer step {ctx.counters.optimizer_step}: {shown}{more} "
             f"({len(bad)} of {len(params)} parameters); the step did not run"
         )
         data = {
@@ -121,7 +121,7 @@ class GradientGuard(Feature):
         if ctx.frames_finite and ctx.config.mode == "full":  # no frame of this check holds inf/nan
             # The loss is one of the values recorded when this micro-batch's loss was handed to watch_loss (its frame
             # was in this check or an earlier one of the micro-batch, finite either way).
-            loss_recorded = self._loss_batch == (ctx.phase, ctx.last_batch)
+            loss_recorded = self._loss_batch == (ctx.counters.phase, ctx.counters.last_batch)
             note = backward_note(ctx.config.watch_gradients, loss_recorded=loss_recorded)
             lines.append(note[0].upper() + note[1:] + ".")
             headline += f"; {note}"

@@ -39,7 +39,7 @@ import torch
 
 from nanwatch.core.feature_api import EngineContext, Feature
 from nanwatch.core.formats.files import atomic_write
-from nanwatch.core.frames import Direction, Frame, ResolvedFrame, Role, counter_name, resolve
+from nanwatch.core.frames import Direction, Frame, RecordedFrame, ResolvedFrame, Role, counter_name, resolve
 from nanwatch.core.readouts import GRADIENT_MAXIMUM, SPIKE_REPLAY, ReplayedLevels
 from nanwatch.core.report import Report
 
@@ -133,7 +133,7 @@ class SpikeMonitor(Feature):
         self.spikes: list[dict[str, Any]] = []  # every spike reported, as its JSON says
 
     def on_loss(self, ctx: EngineContext, loss: torch.Tensor) -> None:
-        self._loss, self._loss_batch = loss.detach(), ctx.current_batch
+        self._loss, self._loss_batch = loss.detach(), ctx.counters.current_batch
 
     def screen(
         self, ctx: EngineContext, pending: Sequence[Frame], maxima: Mapping[tuple[Any, Any], torch.Tensor]
@@ -154,7 +154,7 @@ class SpikeMonitor(Feature):
         flags, self._flags = self._flags, []
         tripped = [signal for signal, flag in flags if not bool(flag)]
         # The loss's own micro-batch; the gradients': the last one before the step (an adapter may have ended it).
-        batch = self._loss_batch if "loss" in tripped else ctx.last_batch
+        batch = self._loss_batch if "loss" in tripped else ctx.counters.last_batch
         fresh = []  # the signals whose spike opens an event: reported
         for signal, _ in flags:
             window = self._windows[signal]
@@ -188,7 +188,8 @@ class SpikeMonitor(Feature):
             window.event = None
             if event.spiked > 1:
                 ctx.logger.info(
-                    f"nanwatch: the {_WHAT[signal]} spike during {counter_name(ctx.phase)}={event.batch_number} "
+                    f"nanwatch: the {_WHAT[signal]} spike during "
+                    f"{counter_name(ctx.counters.phase)}={event.batch_number} "
                     f"repeated {event.spiked - 1} times in the {window.count - event.opened - QUIET} judgements "
                     f"after it (not reported again), then none for {QUIET}"
                 )
@@ -203,15 +204,15 @@ class SpikeMonitor(Feature):
             return  # spikes around a level that has not moved (yet): still the same event
         window.restart(since)
         ctx.logger.info(
-            f"nanwatch: the {_WHAT[signal]} stayed up after its spike during {counter_name(ctx.phase)}="
+            f"nanwatch: the {_WHAT[signal]} stayed up after its spike during {counter_name(ctx.counters.phase)}="
             f"{event.batch_number}: median {median:.3e} over the {len(since)} judgements since (mean before "
             f"{mean:.3e}), {event.spiked} spikes, reported once. Taken as its new level: spikes are "
             f"judged against it once {min(window.size, _MIN_VALUES)} values are in"
         )
 
     def on_commit(self, ctx: EngineContext, frames: Sequence[Frame]) -> None:
-        outputs = [
-            Frame(frame.module_name, frame.class_name, frame.batch_number, frame.phase, lines, frame.direction)
+        outputs: list[Frame] = [
+            RecordedFrame(frame.module_name, frame.class_name, frame.batch_number, frame.phase, lines, frame.direction)
             for frame in frames
             if (lines := [entry for entry in frame.entries if entry.role is Role.OUTPUT])
         ]
@@ -232,15 +233,15 @@ class SpikeMonitor(Feature):
     def _report(self, ctx: EngineContext, tripped: list[str], pending: Sequence[Frame], batch: int) -> None:
         lines: list[str] = []
         signals: list[dict[str, Any]] = []
-        data: dict[str, Any] = {"batch_number": batch, "optimizer_step": ctx.optimizer_step, "rank": ctx.rank}
+        data: dict[str, Any] = {"batch_number": batch, "optimizer_step": ctx.counters.optimizer_step, "rank": ctx.rank}
         for signal in tripped:
             window = self._windows[signal]
             value, mean, std = (float(number) for number in window.judged)
             sigmas = (value - mean) / std if std > 0 else math.inf
             what = _WHAT[signal]
             lines.append(
-                f"nanwatch: {what} spiked during {counter_name(ctx.phase)}={batch} (optimizer step "
-                f"{ctx.optimizer_step}): {value:.3e} against a window of {min(window.count - 1, window.size)} "
+                f"nanwatch: {what} spiked during {counter_name(ctx.counters.phase)}={batch} (optimizer step "
+                f"{ctx.counters.optimizer_step}): {value:.3e} against a window of {min(window.count - 1, window.size)} "
                 f"(mean {mean:.3e}, std {std:.2e}: x{value / mean if mean else math.inf:.3g}, {sigmas:.3g} sigma)"
             )
             signals.append({"signal": signal, "value": value, "mean": mean, "std": std})

@@ -62,8 +62,8 @@ class TraceFeature(Feature):
                 frame_index=self._frames,
                 rank=ctx.rank,
                 world_size=ctx.world_size,
-                optimizer_step=ctx.optimizer_step,
-                epoch=ctx.epoch,
+                optimizer_step=ctx.counters.optimizer_step,
+                epoch=ctx.counters.epoch,
             )
             append_trace_records(report_dir, ctx.rank, records)
         except (OSError, ValueError) as error:  # a full disk, a quota, a file where the folder was

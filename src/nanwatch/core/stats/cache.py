@@ -16,7 +16,7 @@ import torch
 from nanwatch.core.stats.grouped import StackPlan
 from nanwatch.core.stats.kernels import ABS_KEEPS_DTYPE
 from nanwatch.core.stats.measure import _RANGE, ExtraKernels, Measurement, StackedMeasurement, measure
-from nanwatch.core.stats.output_rows import STAGE_MAX_NUMEL, Rows, Staging
+from nanwatch.core.stats.output_rows import STAGE_MAX_NUMEL, DtypeRows, Staging
 
 __all__ = ["StatsCache", "TrackedBatch"]
 
@@ -79,7 +79,7 @@ class TrackedBatch:
     measurements: Sequence[Measurement]
     versions: list[int]
     pointers: list[int]
-    stacks: list[tuple[Rows, torch.dtype]]
+    stacks: list[DtypeRows]
     alone: list[Measurement]
 
 

@@ -16,7 +16,7 @@ from typing import Any, overload
 import torch
 
 from nanwatch.core.stats.measure import ExtraKernels, Measurement, StackedMeasurement, measure, measure_extras
-from nanwatch.core.stats.output_rows import Rows
+from nanwatch.core.stats.output_rows import DtypeRows, Rows
 
 __all__ = ["StackPlan", "measure_together", "MagnitudePlan"]
 
@@ -85,11 +85,11 @@ class StackPlan:
 
     def measure_whole(
         self, kernels: ExtraKernels = ()
-    ) -> tuple[Sequence[Measurement], list[tuple[Rows, torch.dtype]], list[Measurement]]:
+    ) -> tuple[Sequence[Measurement], list[DtypeRows], list[Measurement]]:
         """`measure()`, and what its measurements are made of: each stack's rows with its dtype, and the tensors
         measured alone (a check that reads every tensor reads these whole, not one measurement at a time). Without
         extra statistics a stacked tensor's measurement object is made when first asked for (`PlanMeasurements`)."""
-        stacks: list[tuple[Rows, torch.dtype]] = []
+        stacks: list[DtypeRows] = []
         extras: list[list[Any]] = []
         with torch.no_grad():  # no graph for the stacks of parameters that require grad
             for stack, dtype, _ in self.stacks:
@@ -97,7 +97,7 @@ class StackPlan:
                 # (aminmax along short rows is several times slower). min and max propagate nan, as a whole-tensor
                 # aminmax does.
                 columns = torch.stack(stack).abs_().view(len(stack), -1).t()
-                stacks.append((Rows(columns.amin(0), columns.amax(0)), dtype))
+                stacks.append(DtypeRows(Rows(columns.amin(0), columns.amax(0)), dtype))
                 if kernels:
                     extras.append([measure_extras(tensor.detach(), kernels) for tensor in stack])
         alone = [measure(self.tensors[index], kernels) for index in self.alone]
@@ -113,7 +113,7 @@ class PlanMeasurements(Sequence[Measurement]):
     thousands of small parameters is measured at every batch, and most of those objects are never read (the check
     reads the stacks whole)."""
 
-    def __init__(self, plan: StackPlan, stacks: list[tuple[Rows, torch.dtype]], alone: list[Measurement]) -> None:
+    def __init__(self, plan: StackPlan, stacks: list[DtypeRows], alone: list[Measurement]) -> None:
         self._places, self._members = plan.places, plan.members
         self._shapes = [tuple(shape) for _, _, shape in plan.stacks]
         self._stacks = stacks

@@ -11,10 +11,11 @@ change what was measured, and the numbers are those of `abs().aminmax()`: a min 
 from __future__ import annotations
 
 import threading
+from typing import NamedTuple
 
 import torch
 
-__all__ = ["Rows", "StagedRows", "Staging", "STAGE_MAX_NUMEL"]
+__all__ = ["DtypeRows", "Rows", "StagedRows", "Staging", "STAGE_MAX_NUMEL"]
 
 # Tensors of up to this many elements are staged: above it the kernels' work outweighs their launch cost, and a copy
 # would only add a pass.
@@ -27,6 +28,13 @@ _FIRST_ROWS = 64
 _MAX_ROWS = 1 << 13
 _STAGED_DTYPES = frozenset((torch.float32, torch.float16, torch.bfloat16, torch.float64))
 _grad_enabled, _set_grad_enabled = torch.is_grad_enabled, torch._C._set_grad_enabled
+
+
+class DtypeRows(NamedTuple):
+    """Rows measured together, and the dtype of the tensors they measure (what a check groups their maxima by)."""
+
+    rows: Rows
+    dtype: torch.dtype
 
 
 class Rows:

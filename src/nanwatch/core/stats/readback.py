@@ -15,7 +15,7 @@ import torch
 
 from nanwatch.core.stats.base import Values
 from nanwatch.core.stats.measure import Measurement, StackedMeasurement
-from nanwatch.core.stats.output_rows import Rows
+from nanwatch.core.stats.output_rows import DtypeRows, Rows
 from nanwatch.core.stats.registry import extras, lead
 
 __all__ = ["stack_maxima", "read_flags", "holds_non_finite", "ReadBack", "read_back"]
@@ -25,7 +25,7 @@ _Owner = TypeVar("_Owner")
 
 
 def stack_maxima(
-    measurements: Iterable[Measurement], whole: Iterable[tuple[Rows, torch.dtype]] = ()
+    measurements: Iterable[Measurement], whole: Iterable[DtypeRows] = ()
 ) -> dict[tuple[torch.device, torch.dtype | None], torch.Tensor]:
     """The floating-point abs maxima, each measurement once, stacked by (device, dtype of the measured tensor); and
     every row of the `whole` stacks (rows of tensors of that dtype, each in a frame: not looked for one by one)."""

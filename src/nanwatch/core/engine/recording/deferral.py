@@ -3,11 +3,11 @@
 On a model of many small modules a watched call costs what its Python costs, and most of that was building the frame
 (its lines, the measurement objects) and copying the output aside. A call with one tensor in and one small
 floating-point tensor out (no keywords) is deferred instead once its module has earned it: the hook puts a
-`DeferredFrame` in the pending list, made from one tuple, and keeps the output and its version counter with the
-round's other deferred outputs (`DeferredOutputs`); `settle` measures them all at once when the frames are next read
-(the check), in one stack (one per dtype, shape and device where they differ). The frame makes its lines only when
-something reads them: the check reads the stacks whole, and of a clean batch only the ring's last few frames are
-ever shown.
+`DeferredFrame` in the pending list (a record of what the call used), and keeps the output and its version counter
+with the round's other deferred outputs (`DeferredOutputs`); `settle` measures them all at once when the frames are
+next read (the check), in one stack (one per dtype, shape and device where they differ). The frame makes its lines
+only when something reads them: the check reads the stacks whole, and of a clean batch only the ring's last few
+frames are ever shown.
 
 What a frame says does not change. A module's first recorded batch runs as before and is probed (`Site`): each
 eligible call's output and version counter are noted, and at the check a module whose outputs nothing changed in
@@ -33,15 +33,21 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.nn.modules.module import register_module_parameter_registration_hook
 from torch.utils.hooks import RemovableHandle
 
 from nanwatch.core.engine.counters import Counters
-from nanwatch.core.engine.recording.deferred_frames import DEFERRED_DTYPES, DeferredFrame, DeferredOutputs, Settled
-from nanwatch.core.engine.recording.parameter_lines import ParameterLines
+from nanwatch.core.engine.recording.deferred_frames import (
+    DEFERRED_DTYPES,
+    DeferredFrame,
+    DeferredOutputs,
+    ModuleParameters,
+    Settled,
+)
+from nanwatch.core.engine.recording.parameter_lines import ParameterLines, ParameterRow
 from nanwatch.core.stats.cache import StatsCache, TrackedBatch
 from nanwatch.core.stats.output_rows import STAGE_MAX_NUMEL
 
@@ -51,8 +57,7 @@ __all__ = ["Deferral", "Site", "deferrable"]
 # float32) between two settlements; past it, calls are recorded as they return.
 MAX_DEFERRED_ELEMENTS = 1 << 22
 _Tensor = torch.Tensor
-_new = object.__new__
-_NO_PARAMETERS: list[tuple[str, int]] = []  # shared by every deferred call of a module without parameters (read only)
+_NO_PARAMETERS: list[ParameterRow] = []  # shared by every deferred call of a module without parameters (read only)
 _get_ident = threading.get_ident
 
 
@@ -71,6 +76,14 @@ class Site:
         # The settlement and batch measurement (`Deferral._screen_key`) whose screen already holds its parameters:
         # once per module.
         self.screened: object = None
+
+
+class Probe(NamedTuple):
+    """An eligible call of a module in its first recorded batch: its output and the output's version counter then."""
+
+    site: Site
+    output: torch.Tensor
+    version: int
 
 
 def _heard_by(deferral: weakref.ref[Deferral]) -> Callable[[torch.nn.Module, str, torch.Tensor], None]:
@@ -132,7 +145,7 @@ class Deferral:
         self._counters = counters
         self._cache = cache
         self._thread = _get_ident()  # calls are deferred on this thread only (not DataParallel's replicas)
-        self.probes: list[tuple[Site, torch.Tensor, int]] = []  # calls of modules in their first recorded batch
+        self.probes: list[Probe] = []  # calls of modules in their first recorded batch
         self.parameter_sites = 0  # watched modules with parameters (`Settled`)
         # Whether a deferred module's parameters are checked at each of its calls, rather than all at once when the
         # calls are settled (see the module's docstring): from the first time a check could not tell.
@@ -196,7 +209,7 @@ class Deferral:
         if params and not (lines.stable and tracked is not None and lines.unchanged(params, tracked)):
             site.probed = site.changed = True  # never deferred, whatever its other calls
         elif not self._cache.kernels and deferrable(args, kwargs, output):
-            self.probes.append((site, output, output._version))
+            self.probes.append(Probe(site, output, output._version))
         else:  # a call that could not be deferred, or parameters measured apart at it: never deferred
             site.probed = True
 
@@ -230,9 +243,10 @@ class Deferral:
         """At a check: the modules whose probed outputs nothing changed in place since their calls are deferred from
         now on; those with one that was changed never are."""
         probes, self.probes = self.probes, []
-        for site, output, version in probes:
+        for probe in probes:
+            site = probe.site
             site.probed = True
-            if output._version != version:
+            if probe.output._version != probe.version:
                 site.changed, site.defer = True, False
             elif not site.changed:
                 site.defer = True
@@ -258,10 +272,10 @@ class Deferral:
             version = output._version
         except RuntimeError:  # an inference tensor keeps no version counter to tell a later change by
             return False
-        kept: list[Any] = outputs.kept
-        source: Any = None
-        if kept and arg is kept[-2] and arg._version == kept[-1]:  # the output of the deferred call before
-            source = len(kept) - 2
+        kept, versions = outputs.tensors, outputs.versions
+        input_row = -1
+        if kept and arg is kept[-1] and arg._version == versions[-1]:  # the output of the deferred call before
+            input_row = len(kept) - 1
         elif type(arg) is not _Tensor:
             return False
         params = module._parameters
@@ -283,27 +297,29 @@ class Deferral:
             named = lines.named
             if site.screened is not self._screen_key:  # the screen reads its parameters (once per module)
                 site.screened = self._screen_key
-                self.settled.parameters.append((tracked, named))
+                self.settled.parameters.append(ModuleParameters(tracked, named))
         else:
             tracked, named = None, _NO_PARAMETERS
-        if source is None:
-            source = self._cache.activation(arg)
-            self.settled.inputs.append(source)
-        if kept and output is kept[-2] and version == kept[-1]:  # a container returning its last child's output
-            at = len(kept) - 2
+        input_measured = None
+        if input_row < 0:
+            input_measured = self._cache.activation(arg)
+            self.settled.inputs.append(input_measured)
+        if kept and output is kept[-1] and version == versions[-1]:  # a container returning its last child's output
+            output_row = len(kept) - 1
         else:
-            at = len(kept)
-            kept += (output, version)
+            output_row = len(kept)
+            kept.append(output)
+            versions.append(version)
             self._elements = elements
-        frame = _new(DeferredFrame)
-        frame._source = (site, self._counters.stamp, tracked, named, source, at, outputs)
-        pending.append(frame)
+        pending.append(
+            DeferredFrame(site, self._counters.stamp, tracked, named, input_measured, input_row, output_row, outputs)
+        )
         return True
 
     def settle(self, pending: list[Any]) -> None:
         """Measure the outputs deferred since the last settlement together (most often one stack) for the frames
         waiting in `pending`, whose lines are made when read."""
-        if not self._outputs.kept:
+        if not self._outputs.tensors:
             return
         outputs, batches = self._outputs, self._batches
         self._new_round()
@@ -317,7 +333,7 @@ class Deferral:
     @property
     def waiting(self) -> bool:
         """Whether calls were deferred since the last settlement."""
-        return bool(self._outputs.kept)
+        return bool(self._outputs.tensors)
 
     def _new_round(self) -> None:
         self._elements = 0
@@ -326,12 +342,12 @@ class Deferral:
 
     @staticmethod
     def _stop_deferring(pending: list[Any], outputs: DeferredOutputs, changed: set[int]) -> None:
-        """The modules of the deferred calls whose outputs (`changed`: where `outputs` kept them) were changed in
-        place after the calls are recorded as they return from now on."""
+        """The modules of the deferred calls whose outputs (`changed`: their rows in `outputs`) were changed in place
+        after the calls are recorded as they return from now on."""
         for frame in pending:
-            if type(frame) is DeferredFrame:
-                site, _, _, _, _, at, kept_in = frame._source
-                if kept_in is outputs and at in changed and isinstance(site, Site):
+            if type(frame) is DeferredFrame and frame.outputs is outputs and frame.output_row in changed:
+                site = frame.site
+                if isinstance(site, Site):
                     site.defer, site.changed = False, True
 
     def _check_parameters(self, batches: list[TrackedBatch]) -> None:

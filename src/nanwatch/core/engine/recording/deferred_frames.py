@@ -1,22 +1,25 @@
 """The frames of deferred calls (deferral.py), and what the check reads of them instead of their lines.
 
-A deferred call's frame is made as the call returns, from one tuple; its output is measured at the check with the
-other outputs deferred since the last one (`DeferredOutputs`: one stack per dtype, shape and device, most often one
-in all), and its lines are made only when something reads them. Of a clean batch most never are: the check reads the
-stacks, the inputs measured at the calls and the parameters' batch measurement whole (`Settled`), and only the ring's
-last frames are ever shown.
+A deferred call's frame (`DeferredFrame`) is made as the call returns, a record of what the call used: its module,
+its micro-batch, the parameters' batch measurement, its input and where its output was kept. The output is measured at
+the check with the other outputs deferred since the last one (`DeferredOutputs`: one stack per dtype, shape and
+device, most often one in all), and the frame's lines are made only when something reads them. Of a clean batch most
+never are: the check reads the stacks, the inputs measured at the calls and the parameters' batch measurement whole
+(`Settled`), and only the ring's last frames are ever shown.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 
+from nanwatch.core.engine.counters import Stamp
+from nanwatch.core.engine.recording.parameter_lines import ParameterRow
 from nanwatch.core.frames import Direction, Entry, Frame, Role
 from nanwatch.core.stats.cache import TrackedBatch
 from nanwatch.core.stats.measure import Measurement, StackedMeasurement, measure
-from nanwatch.core.stats.output_rows import Rows
+from nanwatch.core.stats.output_rows import DtypeRows, Rows
 from nanwatch.core.walk import OUTPUT_LABEL, input_label
 
 __all__ = [
@@ -24,8 +27,9 @@ __all__ = [
     "DEFERRED_DTYPES",
     "DeferredFrame",
     "DeferredOutputs",
-    "FrameSource",
+    "ModuleParameters",
     "Named",
+    "ScreenReads",
     "Settled",
 ]
 
@@ -36,6 +40,20 @@ CHANGED_AFTER_CALL = "changed in place after the call: not measured"
 # The dtypes of the outputs deferred: a stack of them measures each exactly.
 DEFERRED_DTYPES = frozenset((torch.float32, torch.float16, torch.bfloat16, torch.float64))
 _STRIDED = torch.strided
+
+
+class ModuleParameters(NamedTuple):
+    """A deferred module's parameters, as the screen reads them: the batch measurement, and their rows in it."""
+
+    batch: TrackedBatch
+    rows: list[ParameterRow]
+
+
+class ScreenReads(NamedTuple):
+    """What the check's screen reads for the frames of deferred calls."""
+
+    whole: list[DtypeRows]  # stacks read whole: every row belongs to one of the frames
+    measurements: list[Measurement]  # read one by one
 
 
 class Settled:
@@ -51,72 +69,101 @@ class Settled:
     __slots__ = ("stacks", "inputs", "parameters", "batches", "parameter_sites")
 
     def __init__(self, parameter_sites: int = 0) -> None:
-        self.stacks: list[tuple[Rows, torch.dtype]] = []
+        self.stacks: list[DtypeRows] = []
         self.inputs: list[Measurement] = []
-        self.parameters: list[tuple[TrackedBatch, list[tuple[str, int]]]] = []  # per module: the batch, its rows
+        self.parameters: list[ModuleParameters] = []  # once per module and batch measurement
         self.batches: list[TrackedBatch] = []  # the batch measurements in `parameters`, each once
         self.parameter_sites = parameter_sites
 
-    def reads(self) -> tuple[list[tuple[Rows, torch.dtype]], list[Measurement]]:
+    def reads(self) -> ScreenReads:
         """What the screen reads for these frames: stacks to read whole, and measurements one by one."""
         measurements = list(self.inputs)
         parameters = self.parameters
         if len(self.batches) == 1 and len(parameters) == self.parameter_sites:  # every module's: the measurement
             (batch,) = self.batches  # whole
             measurements += batch.alone
-            return self.stacks + batch.stacks, measurements
-        for batch, named in parameters:
-            found = batch.measurements
-            measurements += [found[row] for _, row in named]
-        return self.stacks, measurements
+            return ScreenReads(self.stacks + batch.stacks, measurements)
+        for module in parameters:
+            found = module.batch.measurements
+            measurements += [found[parameter.row] for parameter in module.rows]
+        return ScreenReads(self.stacks, measurements)
 
 
 class Named(Protocol):
-    """What a deferred frame reads of its module's site (core/engine/recording/deferral.py's `Site`)."""
+    """What a deferred frame reads of its module's site (deferral.py's `Site`)."""
 
     name: str
     class_name: str
 
 
-# What a deferred call's frame is made from, kept as the call returns: its module's site, `(micro-batch, phase)`, the
-# parameters' batch measurement with the names and rows of the module's parameters in it, the input (a measurement
-# made at the call, or where the deferred output it is was kept) and where its output was kept (`DeferredOutputs`).
-FrameSource = tuple[
-    Named,
-    tuple[int, str],
-    "TrackedBatch | None",
-    list[tuple[str, int]],
-    "Measurement | int",
-    int,
-    "DeferredOutputs",
-]
-
-
 class DeferredFrame(Frame):
-    """The frame of a deferred call, made as the call returns from one tuple (`FrameSource`: one slot to set per
-    frame, the fields read from it); its lines are made when first read, after its round's outputs were measured.
-    Its fields are its call's: they cannot be set."""
+    """The frame of a deferred call: what the call used, recorded as it returned; its lines are made when first read,
+    after its round's outputs were measured. A forward frame, always.
 
-    __slots__ = ("_source", "_lines")
-    _source: FrameSource
-    _lines: list[Entry]
-    direction = _FORWARD  # a class attribute: deferred calls are forward calls
+    Args:
+        site: its module.
+        stamp: its micro-batch and phase.
+        parameters: the parameters' batch measurement its lines name (None for a module without parameters).
+        parameter_rows: the module's parameters, by name, and their rows in that measurement.
+        input_measured: its input, measured at the call; or None when the input is the output of a deferred call
+            before it (a chain of modules), kept at `input_row` of `outputs`.
+        input_row: where in `outputs` its input was kept, or -1 when it was measured at the call.
+        output_row: where in `outputs` its output was kept.
+        outputs: the round's deferred outputs, measured together at the check.
+    """
+
+    __slots__ = (
+        "site",
+        "stamp",
+        "parameters",
+        "parameter_rows",
+        "input_measured",
+        "input_row",
+        "output_row",
+        "outputs",
+        "_lines",
+    )
+    _lines: list[Entry]  # made when first read
+
+    def __init__(
+        self,
+        site: Named,
+        stamp: Stamp,
+        parameters: TrackedBatch | None,
+        parameter_rows: list[ParameterRow],
+        input_measured: Measurement | None,
+        input_row: int,
+        output_row: int,
+        outputs: DeferredOutputs,
+    ) -> None:
+        self.site = site
+        self.stamp = stamp
+        self.parameters = parameters
+        self.parameter_rows = parameter_rows
+        self.input_measured = input_measured
+        self.input_row = input_row
+        self.output_row = output_row
+        self.outputs = outputs
 
     @property
-    def module_name(self) -> str:  # type: ignore[override]
-        return self._source[0].name
+    def module_name(self) -> str:
+        return self.site.name
 
     @property
-    def class_name(self) -> str:  # type: ignore[override]
-        return self._source[0].class_name
+    def class_name(self) -> str:
+        return self.site.class_name
 
     @property
-    def batch_number(self) -> int:  # type: ignore[override]
-        return self._source[1][0]
+    def batch_number(self) -> int:
+        return self.stamp.batch_number
 
     @property
-    def phase(self) -> str:  # type: ignore[override]
-        return self._source[1][1]
+    def phase(self) -> str:
+        return self.stamp.phase
+
+    @property
+    def direction(self) -> Direction:
+        return _FORWARD
 
     @property
     def entries(self) -> list[Entry]:
@@ -124,37 +171,41 @@ class DeferredFrame(Frame):
             return self._lines
         except AttributeError:  # not read yet
             pass
-        _, _, tracked, named, source, at, outputs = self._source
-        lines = [] if tracked is None else [Entry(name, _PARAMETER, tracked.measurements[i]) for name, i in named]
-        found = outputs.measurement(source) if isinstance(source, int) else source
-        lines.append(Entry(_INPUT_0, _INPUT, found))
-        lines.append(Entry(OUTPUT_LABEL, _OUTPUT, outputs.measurement(at)))
+        parameters, outputs = self.parameters, self.outputs
+        lines = []
+        if parameters is not None:
+            found = parameters.measurements
+            lines = [Entry(parameter.name, _PARAMETER, found[parameter.row]) for parameter in self.parameter_rows]
+        given = self.input_measured
+        lines.append(Entry(_INPUT_0, _INPUT, given if given is not None else outputs.measurement(self.input_row)))
+        lines.append(Entry(OUTPUT_LABEL, _OUTPUT, outputs.measurement(self.output_row)))
         self._lines = lines
         return lines
 
-    @entries.setter
-    def entries(self, lines: list[Entry]) -> None:
-        self._lines = lines
+
+class GroupRow(NamedTuple):
+    """Where a deferred output was measured: its group, and its row there."""
+
+    group: _OutputGroup | _AloneGroup
+    row: int
 
 
 class DeferredOutputs:
     """The outputs deferred in one round (between two settlements), each kept with its version counter at the call
-    in one flat list (`kept`: output, version, output, version...: one `+=` per call), where a frame names its
-    output by position; `measure` stacks them (one stack when they share a dtype, shape and device, as a chain of
-    small modules' outputs do; else one per dtype, shape and device) and lets them go. A row's measurement object is
-    made once however many lines show it (an output is the next module's input, and its container's output: the
-    checks count a tensor once by its measurement)."""
+    (`tensors[row]`, `versions[row]`), where a frame names its output by row; `measure` stacks them (one stack when
+    they share a dtype, shape and device, as a chain of small modules' outputs do; else one per dtype, shape and
+    device) and lets them go. A row's measurement object is made once however many lines show it (an output is the
+    next module's input, and its container's output: the checks count a tensor once by its measurement)."""
 
-    __slots__ = ("kept", "dtype", "mixed", "_groups", "_where", "_tensors", "_changed")
+    __slots__ = ("tensors", "versions", "dtype", "mixed", "_groups", "_where", "_changed")
 
     def __init__(self) -> None:
-        self.kept: list[torch.Tensor | int] = []  # until measured
+        self.tensors: list[torch.Tensor] = []  # until measured
+        self.versions: list[int] = []  # each output's version counter at its call
         self.dtype: torch.dtype | None = None  # the first output's dtype, and whether another was admitted since
         self.mixed = False
         self._groups: list[_OutputGroup | _AloneGroup] = []
-        # Each output's group and row, with several groups.
-        self._where: list[tuple[_OutputGroup | _AloneGroup, int]] | None = None
-        self._tensors: list[torch.Tensor] | None = None  # the outputs alone, once `changed` took them from `kept`
+        self._where: list[GroupRow] | None = None  # each output's group and row, with several groups
         # The outputs changed in place after their calls, by row: not measured (the values now are not what the call
         # returned), each shown as such (`measurement`).
         self._changed: dict[int, Measurement] = {}
@@ -171,25 +222,23 @@ class DeferredOutputs:
         return True
 
     def changed(self) -> list[int]:
-        """Where the outputs changed in place since their calls (their version counters moved) were kept."""
-        kept = self.kept
-        tensors: list[torch.Tensor] = kept[0::2]  # type: ignore[assignment]
-        self._tensors = tensors  # `measure` stacks the same list
-        if [tensor._version for tensor in tensors] == kept[1::2]:
+        """The rows of the outputs changed in place since their calls (their version counters moved)."""
+        tensors, versions = self.tensors, self.versions
+        if [tensor._version for tensor in tensors] == versions:
             return []
-        rows = [row for row, tensor in enumerate(tensors) if tensor._version != kept[2 * row + 1]]
+        rows = [row for row, tensor in enumerate(tensors) if tensor._version != versions[row]]
         for row in rows:
             tensor = tensors[row]
             self._changed[row] = Measurement(None, None, tensor.dtype, tuple(tensor.shape), skipped=CHANGED_AFTER_CALL)
             # Its row of the stack holds zeros: what the caller wrote there later is neither shown nor screened.
             tensors[row] = torch.zeros_like(tensor)
-        return [2 * row for row in rows]
+        return rows
 
-    def measure(self) -> list[tuple[Rows, torch.dtype]]:
+    def measure(self) -> list[DtypeRows]:
         """Measure the outputs, their abs min and max (exact however grouped; nan propagates): the stacks' rows and
         dtypes. The outputs are let go."""
-        tensors: list[torch.Tensor] = self._tensors if self._tensors is not None else self.kept[0::2]  # type: ignore[assignment]
-        self.kept, self._tensors = [], None
+        tensors = self.tensors
+        self.tensors, self.versions = [], []
         if not tensors:
             return []
         first = tensors[0]
@@ -202,35 +251,35 @@ class DeferredOutputs:
                 if _measurable(stacked):
                     whole = _OutputGroup(stacked, first.dtype, tuple(first.shape))
                     self._groups = [whole]
-                    return [(whole.rows, first.dtype)]
+                    return [DtypeRows(whole.rows, first.dtype)]
         groups: dict[tuple[torch.dtype, torch.Size, torch.device], list[int]] = {}
         try:
             for row, tensor in enumerate(tensors):
                 groups.setdefault((tensor.dtype, tensor.shape, tensor.device), []).append(row)
         except RuntimeError:  # a nested tensor has no shape: each output measured on its own
             groups = {(first.dtype, torch.Size(), first.device): list(range(len(tensors)))}
-        where: list[tuple[_OutputGroup | _AloneGroup, int]] = [None] * len(tensors)  # type: ignore[list-item]
-        read: list[tuple[Rows, torch.dtype]] = []
+        where: dict[int, GroupRow] = {}
+        read: list[DtypeRows] = []
         for (dtype, shape, _), rows in groups.items():
             group = _group([tensors[row] for row in rows], dtype, tuple(shape))
             read += group.read()
             self._groups.append(group)
             for place, row in enumerate(rows):
-                where[row] = (group, place)
-        self._where = where
+                where[row] = GroupRow(group, place)
+        self._where = [where[row] for row in range(len(tensors))]
         return read
 
-    def measurement(self, at: int) -> Measurement:
-        """The measurement of the output kept at `at` (after `measure`)."""
+    def measurement(self, row: int) -> Measurement:
+        """The measurement of the output kept at `row` (after `measure`)."""
         if self._changed:
-            changed = self._changed.get(at >> 1)
+            changed = self._changed.get(row)
             if changed is not None:
                 return changed
         where = self._where
         if where is None:
-            return self._groups[0].measurement(at >> 1)
-        group, row = where[at >> 1]
-        return group.measurement(row)
+            return self._groups[0].measurement(row)
+        found = where[row]
+        return found.group.measurement(found.row)
 
 
 def _measurable(stacked: torch.Tensor) -> bool:
@@ -260,8 +309,8 @@ class _OutputGroup:
         self.dtype, self.shape = dtype, shape
         self.made: dict[int, StackedMeasurement] = {}
 
-    def read(self) -> list[tuple[Rows, torch.dtype]]:
-        return [(self.rows, self.dtype)]
+    def read(self) -> list[DtypeRows]:
+        return [DtypeRows(self.rows, self.dtype)]
 
     def measurement(self, row: int) -> StackedMeasurement:
         found = self.made.get(row)
@@ -280,16 +329,18 @@ class _AloneGroup:
     def __init__(self, tensors: list[torch.Tensor]) -> None:
         self.made = [measure(tensor) for tensor in tensors]
 
-    def read(self) -> list[tuple[Rows, torch.dtype]]:
+    def read(self) -> list[DtypeRows]:
         """The measured rows' abs min and max, stacked by device and dtype (those with no numbers left out)."""
-        kinds: dict[tuple[torch.device, torch.dtype, torch.dtype | None], list[Measurement]] = {}
+        lows: dict[tuple[torch.device, torch.dtype, torch.dtype], list[torch.Tensor]] = {}
+        highs: dict[tuple[torch.device, torch.dtype, torch.dtype], list[torch.Tensor]] = {}
         for found in self.made:
-            if found.abs_max is not None and found.abs_max.is_floating_point():
-                kinds.setdefault((found.abs_max.device, found.abs_max.dtype, found.dtype), []).append(found)
+            low, high = found.abs_min, found.abs_max
+            if low is not None and high is not None and high.is_floating_point() and found.dtype is not None:
+                kind = (high.device, high.dtype, found.dtype)
+                lows.setdefault(kind, []).append(low)
+                highs.setdefault(kind, []).append(high)
         return [
-            (Rows(torch.stack([m.abs_min for m in made]), torch.stack([m.abs_max for m in made])), dtype)  # type: ignore[misc]
-            for (_, _, dtype), made in kinds.items()
-            if dtype is not None
+            DtypeRows(Rows(torch.stack(lows[kind]), torch.stack(of_kind)), kind[2]) for kind, of_kind in highs.items()
         ]
 
     def measurement(self, row: int) -> Measurement:

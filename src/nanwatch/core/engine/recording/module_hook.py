@@ -49,13 +49,13 @@ class Recording(Protocol):
     tracing: bool  # the batch is traced: every call is recorded as it returns, and handed to the trace
     show_recomputes: bool  # activation checkpointing's recomputes are recorded (watch_gradients)
     unsettled: list[Any]  # the pending frames as they are: those of deferred calls not measured yet
-    max_pending: int  # past this many pending frames, `overflow` (`MAX_PENDING_FRAMES` unless a test lowers it)
+    max_pending: int  # past this many pending frames, `when_full` (`MAX_PENDING_FRAMES` unless a test lowers it)
 
     @property
     def record(self) -> RecordCall:
         """Make the call's frame now and add it to the pending frames."""
 
-    overflow: Callable[[], None]  # more than `MAX_PENDING_FRAMES` are pending: check them now
+    when_full: Callable[[], None]  # more than `max_pending` are pending: check them now
     disable: Callable[[str], None]  # stop watching (the run goes on): recording failed
 
 
@@ -119,7 +119,7 @@ class ModuleHook:
                 and self.deferral.defer(pending := recorder.unsettled, site, module, args[0], output)
             ):
                 if len(pending) > recorder.max_pending:
-                    recorder.overflow()
+                    recorder.when_full()
             else:
                 recorder.record(site, module, args, kwargs, output, _FORWARD)
         except Exception as error:  # our bookkeeping must never kill a healthy run

@@ -4,16 +4,32 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from operator import is_
+from typing import NamedTuple
 
 import torch
 
 from nanwatch.core.frames import Entry, Role
 from nanwatch.core.stats.cache import StatsCache, TrackedBatch
 
-__all__ = ["ParameterLines"]
+__all__ = ["ParameterLines", "ParameterRow", "ParameterSlot"]
 
 _PARAMETER = Role.PARAMETER
 _PLAIN_PARAMETERS = (torch.nn.Parameter, torch.Tensor)
+
+
+class ParameterRow(NamedTuple):
+    """A module's parameter, by name, and its row in the parameters' batch measurement."""
+
+    name: str
+    row: int
+
+
+class ParameterSlot(NamedTuple):
+    """An item of a module's parameter dict: the tensor (None for a None), and its row in the parameters' batch
+    measurement (-1 for a None)."""
+
+    tensor: torch.Tensor | None
+    row: int
 
 
 class ParameterLines:
@@ -28,10 +44,10 @@ class ParameterLines:
     def __init__(self) -> None:
         self.batch: TrackedBatch | None = None  # the batch whose measurements `entries` hold
         self.entries: list[Entry] = []
-        # Per item of the module's parameter dict: the tensor and where it is among the tracked (-1 for a None); None
-        # until made, or when not every parameter is tracked.
-        self.slots: list[tuple[torch.Tensor | None, int]] | None = None
-        self.named: list[tuple[str, int]] = []
+        # Per item of the module's parameter dict, the tensor and its row; None until made, or when not every
+        # parameter is tracked.
+        self.slots: list[ParameterSlot] | None = None
+        self.named: list[ParameterRow] = []
         # A parameter was found changed or replaced since its batch measurement (lines made again, `_make`).
         self.remade = False
         # The module's parameter dict's values when the lines were made (None included), compared by identity at
@@ -45,7 +61,7 @@ class ParameterLines:
         # Unchanged since measured: the same objects, with the version counters and storage they had then.
         if self.batch is not batch:  # the module's first call of this batch
             measurements = batch.measurements
-            self.entries = [Entry(name, _PARAMETER, measurements[index]) for name, index in self.named]
+            self.entries = [Entry(named.name, _PARAMETER, measurements[named.row]) for named in self.named]
             self.batch = batch
         return self.entries.copy()
 
@@ -56,9 +72,9 @@ class ParameterLines:
         if slots is None or len(params) != len(slots):
             return False
         versions, pointers = batch.versions, batch.pointers
-        for param, (known, index) in zip(params.values(), slots):  # noqa: B905  (lengths compared)
-            if param is not known or (
-                param is not None and (param._version != versions[index] or param.data_ptr() != pointers[index])
+        for param, slot in zip(params.values(), slots):  # noqa: B905  (lengths compared)
+            if param is not slot.tensor or (
+                param is not None and (param._version != versions[slot.row] or param.data_ptr() != pointers[slot.row])
             ):
                 self.remade = True
                 return False
@@ -79,12 +95,12 @@ class ParameterLines:
 
     def _make(self, params: Mapping[str, torch.Tensor | None], cache: StatsCache) -> list[Entry]:
         entries: list[Entry] = []
-        slots: list[tuple[torch.Tensor | None, int]] = []
-        named: list[tuple[str, int]] = []
+        slots: list[ParameterSlot] = []
+        named: list[ParameterRow] = []
         tracked = True
         for name, param in params.items():
             if param is None:
-                slots.append((None, -1))
+                slots.append(ParameterSlot(None, -1))
                 continue
             entries.append(Entry(name, _PARAMETER, cache.parameter(param)))
             plain = type(param) in _PLAIN_PARAMETERS and param.layout is torch.strided
@@ -92,8 +108,8 @@ class ParameterLines:
             if index is None:  # measured apart (an inference or sparse tensor, a DTensor): asked for at every call
                 tracked = False
             else:
-                slots.append((param, index))
-                named.append((name, index))
+                slots.append(ParameterSlot(param, index))
+                named.append(ParameterRow(name, index))
         self.slots, self.named = (slots if tracked else None), named
         self.tensors = tuple(params.values())
         self.batch = None  # these lines may hold a changed parameter's own measurement, not the batch's

@@ -22,7 +22,7 @@ from nanwatch.core.engine.counters import Counters
 from nanwatch.core.engine.recording.deferral import Deferral, Site
 from nanwatch.core.engine.recording.deferred_frames import Settled
 from nanwatch.core.engine.recording.module_hook import MAX_PENDING_FRAMES, ModuleHook
-from nanwatch.core.frames import Direction, Entry, Frame, Role
+from nanwatch.core.frames import Direction, Entry, Frame, RecordedFrame, Role
 from nanwatch.core.log import warn
 from nanwatch.core.stats.cache import StatsCache
 from nanwatch.core.stats.compiled import (
@@ -66,6 +66,10 @@ _is_compiling = torch.compiler.is_compiling
 FrameHandler = Callable[[Frame, torch.nn.Module, tuple[Any, ...], Any], None]
 
 
+def _nothing() -> None:
+    """What a recorder does with too many pending frames until a checker takes them."""
+
+
 class Recorder:
     """Makes frames and keeps them pending until the next check.
 
@@ -74,7 +78,6 @@ class Recorder:
         cache: launches the statistics (no host read) and remembers what it measured this batch.
         show_recomputes: record the forwards activation checkpointing runs again during backward (watch_gradients).
         trace: called with each frame (and its module, inputs, output) while the batch is traced.
-        overflow: called when the pending frames pass `MAX_PENDING_FRAMES`: check them now.
         disable: stops watching (the run goes on) after a failure in recording.
     """
 
@@ -85,7 +88,6 @@ class Recorder:
         *,
         show_recomputes: bool,
         trace: FrameHandler,
-        overflow: Callable[[], None],
         disable: Callable[[str], None],
     ) -> None:
         # The pending frames as they are (those of deferred calls are read once `settle` measured them): `pending`.
@@ -99,7 +101,8 @@ class Recorder:
         self._cache = cache
         self.show_recomputes = show_recomputes
         self._trace = trace
-        self.overflow = overflow
+        # Called when the pending frames pass `max_pending`: the checker that checks them sets it (`Checker`).
+        self.when_full: Callable[[], None] = _nothing
         # The bound on the pending frames, read by `append` and by the modules' hooks alike: one value per recorder.
         self.max_pending = MAX_PENDING_FRAMES
         self.disable = disable
@@ -140,7 +143,7 @@ class Recorder:
         if self.tracing and module is not None:
             self._trace(frame, module, args, output)
         if len(pending) > self.max_pending:
-            self.overflow()
+            self.when_full()
 
     def is_last(self, frame: Frame) -> bool:
         """True when `frame` is the latest pending frame (asked without making the deferred calls' frames)."""
@@ -157,7 +160,7 @@ class Recorder:
     def frame(self, module_name: str, class_name: str, entries: list[Entry], direction: Direction = _FORWARD) -> Frame:
         """A frame of the current micro-batch."""
         batch, phase = self._counters.stamp
-        return Frame(module_name, class_name, batch, phase, entries, direction)
+        return RecordedFrame(module_name, class_name, batch, phase, entries, direction)
 
     def hook(
         self,
@@ -225,7 +228,7 @@ class Recorder:
         else:
             self._add_leaves(entries, output, OUTPUT_LABEL, OUTPUT)
         batch, phase = self._counters.stamp
-        self.append(Frame(site.name, site.class_name, batch, phase, entries, direction), module, args, output)
+        self.append(RecordedFrame(site.name, site.class_name, batch, phase, entries, direction), module, args, output)
         if not site.probed and direction is _FORWARD:
             self._deferral.probe(site, params, args, kwargs, output)
 

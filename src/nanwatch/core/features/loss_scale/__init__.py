@@ -83,7 +83,7 @@ class LossScaleFeature(Feature):
         self.reading = "at_batch_end" if read_scale == "at_batch_end" else "when_settled"
         # The first reading: the baseline a first skipped step is seen against (before any scale(), the initial
         # scale, read without touching the device).
-        self.monitor.observe(ctx.batch_number, ctx.optimizer_step)
+        self.monitor.observe(ctx.counters.batch_number, ctx.counters.optimizer_step)
 
     # ------------------------------------------------------------------------------------------------ checks
 
@@ -127,13 +127,13 @@ class LossScaleFeature(Feature):
         if amp is None:
             return
         if stage == "before" and amp.enabled:
-            amp.step_applying(optimizer, ctx.batch_number, ctx.optimizer_step)
+            amp.step_applying(optimizer, ctx.counters.batch_number, ctx.counters.optimizer_step)
         elif stage == "after":
             amp.step_done()
         elif stage in ("settled", "settling"):
             amp.step_done()  # the step is over: gradients of the next micro-batch are not judged by it
-            if stage == "settled" or not amp.defer(ctx.batch_number - 1, ctx.optimizer_step):
-                self.follow(ctx, ctx.batch_number - 1)
+            if stage == "settled" or not amp.defer(ctx.counters.batch_number - 1, ctx.counters.optimizer_step):
+                self.follow(ctx, ctx.counters.batch_number - 1)
 
     def on_batch_end(self, ctx: EngineContext, phase: Phase, batch_number: int) -> None:
         if self.monitor is None or phase != "train":
@@ -154,7 +154,7 @@ class LossScaleFeature(Feature):
         if amp is None:
             return
         try:
-            scale = amp.observe(batch_number, ctx.optimizer_step)
+            scale = amp.observe(batch_number, ctx.counters.optimizer_step)
         except Exception as failure:  # a scaler we cannot read must not kill a healthy run
             ctx.logger.warning(f"nanwatch could not read the GradScaler's scale (the run goes on): {failure!r}")
             return
@@ -178,8 +178,8 @@ class LossScaleFeature(Feature):
             batch_number=batch_number,
             rank=ctx.rank,
             world_size=ctx.world_size,
-            optimizer_step=ctx.optimizer_step,
-            epoch=ctx.epoch,
+            optimizer_step=ctx.counters.optimizer_step,
+            epoch=ctx.counters.epoch,
         )
         ctx.publish(report)
         # The scale is the same on every rank (the scaler decides from all-reduced gradients), so every rank stops

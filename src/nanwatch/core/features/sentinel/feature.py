@@ -121,7 +121,7 @@ class SentinelFeature(Feature):
                 self._depth -= 1  # this forward never runs
                 raise
             try:
-                micro = self._micro_batch(ctx.batch_number)
+                micro = self._micro_batch(ctx.counters.batch_number)
                 state = capture_rng_states(numpy=True), autocast_state(), torch.is_grad_enabled()
                 kept = kept_inputs(args, kwargs, ctx.config.sentinel_copy_inputs)
                 own_rng = own_generators.capture(self._generators)
@@ -174,7 +174,7 @@ class SentinelFeature(Feature):
     def _look(self, ctx: EngineContext, module: torch.nn.Module, output: Any) -> None:
         training = module.training
         call = self._window[-1].calls[-1] if training and self._window and self._window[-1].calls else None
-        batch = ctx.batch_number if training else ctx.current_batch
+        batch = ctx.counters.batch_number if training else ctx.counters.current_batch
         leaves = list(float_leaves(output))
         # An always-called hook also runs when the forward raised (with output None): that is no unreadable output,
         # and the user's own exception is what they must see.

@@ -1,14 +1,14 @@
-"""What an engine offers to read: its counters, its state, what its features offer, its recent frames.
+"""What a watcher offers to read: its counters, its state, what its features offer, its recent frames.
 
-`Readings` is the reading half of the facade (core/watcher.py), kept apart from the half that acts; most of it is
-one of the parts' attributes, handed out as it is (`PartAttribute`).
+`WatcherReads` is the reading half of the facade (core/watcher.py), kept apart from the half that acts: each member
+reads one of the parts (the counters are handed out whole, typed read-only as `RunCounters`).
 """
 
 from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from typing import Any, Generic, TypeVar, overload
+from typing import TypeVar
 
 import torch
 
@@ -16,36 +16,19 @@ from nanwatch.core.engine.checker import Checker
 from nanwatch.core.engine.counters import Counters
 from nanwatch.core.engine.feature_set import FeatureSet
 from nanwatch.core.engine.recording.recorder import Recorder
-from nanwatch.core.feature_api import Feature, Phase
+from nanwatch.core.feature_api import Feature, RunCounters
 from nanwatch.core.frames import Frame
 from nanwatch.core.readouts import LOSS_SCALE_HISTORY, SUMMARY, LossScaleHistory, Readout, Summary
 from nanwatch.core.report import Report
 from nanwatch.core.torch_glue.hooks import HookSet
 
-__all__ = ["PartAttribute", "Readings"]
+__all__ = ["WatcherReads"]
 
 _F = TypeVar("_F", bound=Feature)
 _T = TypeVar("_T")
 
 
-class PartAttribute(Generic[_T]):
-    """A read-only attribute of the facade that one of its parts holds (`watcher.phase` is the counters' `phase`)."""
-
-    def __init__(self, part: str, doc: str | None = None) -> None:
-        self.part, self.__doc__ = part, doc
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.name = name
-
-    @overload
-    def __get__(self, facade: None, owner: type) -> PartAttribute[_T]: ...
-    @overload
-    def __get__(self, facade: object, owner: type) -> _T: ...
-    def __get__(self, facade: object, owner: type) -> Any:
-        return self if facade is None else getattr(getattr(facade, self.part), self.name)
-
-
-class Readings:
+class WatcherReads:
     """The facade's read-only members (core/contract.py declares which of them adapters may use)."""
 
     _counters: Counters
@@ -57,16 +40,20 @@ class Readings:
     _guarded_optimizers: weakref.WeakSet[torch.optim.Optimizer]
     _disabled_reason: str | None
 
-    phase = PartAttribute[Phase]("_counters")
-    batch_number = PartAttribute[int]("_counters", "The current (or next) training micro-batch.")
-    eval_batch_number = PartAttribute[int]("_counters")
-    optimizer_step = PartAttribute["int | None"]("_counters")
-    epoch = PartAttribute["int | None"]("_counters")
-    current_batch = PartAttribute[int]("_counters", "The current micro-batch of the current phase.")
-    recording = PartAttribute[bool]("_recorder", "Whether the current micro-batch is recorded.")
-    tracing = PartAttribute[bool](
-        "_recorder", "Whether the current batch is traced (`trace_batch_nums`, `trace_ranks`)."
-    )
+    @property
+    def counters(self) -> RunCounters:
+        """Where the run is: the phase and the micro-batch, optimizer-step and epoch counters (read-only)."""
+        return self._counters
+
+    @property
+    def recording(self) -> bool:
+        """Whether the current micro-batch is recorded."""
+        return self._recorder.recording
+
+    @property
+    def tracing(self) -> bool:
+        """Whether the current batch is traced (`trace_batch_nums`, `trace_ranks`)."""
+        return self._recorder.tracing
 
     @property
     def attached(self) -> bool:
