@@ -93,7 +93,8 @@ def load_factory(spec: str) -> Callable[[], Any]:
         raise ReplayError(
             f"--model {spec!r} names an object of type {type(target).__name__}, not a callable that returns the model"
         )
-    return target  # type: ignore[no-any-return]
+    factory: Callable[[], Any] = target
+    return factory
 
 
 class UserCodeFailed(ReplayError):

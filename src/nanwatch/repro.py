@@ -72,7 +72,7 @@ def enable_full_determinism(seed: int, warn_only: bool = False) -> None:
     previous_cublas = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
     if previous_cublas not in _DETERMINISTIC_CUBLAS:
         os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":16:8"
-        if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
             warnings.warn(
                 "enable_full_determinism() was called after CUDA was initialised, with "
                 f"CUBLAS_WORKSPACE_CONFIG={previous_cublas!r}: cuBLAS may keep its old workspace and stay "

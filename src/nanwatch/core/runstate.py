@@ -50,7 +50,7 @@ def capture_rng_states(*, numpy: bool = False) -> dict[str, Any]:
     if numpy_module is not None:
         states["numpy"] = numpy_module.random.get_state()
     # Asking for CUDA states would initialise CUDA in a CPU-only run; if it was never initialised, nothing used it.
-    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
         states["cuda"] = torch.cuda.get_rng_state_all()
     return states
 

@@ -126,7 +126,7 @@ class Watcher(WatcherReads):
             # A replay runs the model eagerly: compiled code is not in its way.
             self._recorder.hook(selected, self._hooks, forget_stale=not self._replaying, info=self.logger.info)
         for feature in self._features:  # after the frame hooks: their hooks run once a frame is recorded
-            feature.attach(self._features.ctx, selected)  # type: ignore[arg-type]
+            feature.attach(self._features.ctx, selected)
 
     def close(self, *, check: bool = True, raise_detection: bool = False) -> Report | None:
         """`AdapterContract.close` (core/contract.py)."""

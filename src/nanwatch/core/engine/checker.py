@@ -67,7 +67,6 @@ class Checker:
 
     @property
     def _ctx(self) -> EngineContext:
-        assert self._features.ctx is not None
         return self._features.ctx
 
     def check_safely(self) -> Report | None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import operator
 from collections.abc import Mapping
-from typing import Any, Generic, NamedTuple, TypeVar, overload
+from typing import Any, Generic, NamedTuple, SupportsIndex, TypeVar, cast, overload
 
 import torch
 
@@ -129,7 +129,7 @@ class Counters:
                 value = value.item()
             if isinstance(value, float) and value.is_integer():
                 return int(value)
-            return operator.index(value)  # type: ignore[arg-type]
+            return operator.index(cast(SupportsIndex, value))  # anything else raises TypeError here
         except (TypeError, ValueError, RuntimeError):
             self._logger.warning(f"nanwatch: {name} must be a whole number, got {value!r}; reports leave it out")
             return None

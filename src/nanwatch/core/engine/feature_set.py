@@ -26,12 +26,18 @@ class FeatureSet:
     def __init__(self, features: list[Feature], disable: Callable[[str], None]) -> None:
         self._features = features
         self._disable = disable
-        self.ctx: EngineContext | None = None  # the context the features are handed: `bind`
+        self._ctx: EngineContext | None = None  # the context the features are handed: `bind`
 
     def bind(self, ctx: EngineContext) -> None:
         """The context every event hands the features: made last, from the parts (core/engine/assembly.py), since
         it reads them all."""
-        self.ctx = ctx
+        self._ctx = ctx
+
+    @property
+    def ctx(self) -> EngineContext:
+        """The context bound (the engine binds it as it is made, before any event)."""
+        assert self._ctx is not None, "the feature set is used before the engine bound its context"
+        return self._ctx
 
     def __iter__(self) -> Iterator[Feature]:
         return iter(self._features)
@@ -59,5 +65,6 @@ class FeatureSet:
         for feature in self._features:
             offered = feature.readouts().get(readout)
             if offered is not None:
-                return offered()  # type: ignore[no-any-return]
+                found: _T = offered()
+                return found
         return None

@@ -102,7 +102,7 @@ class GradientRecorder(Feature):
                     continue
                 seen.add(id(param))
                 hook = self._make_parameter_hook(name, class_name, module, GRAD_PREFIX + param_name)
-                ctx.hooks.add_handle(param.register_post_accumulate_grad_hook(hook))  # type: ignore[no-untyped-call]
+                ctx.hooks.add_handle(param.register_post_accumulate_grad_hook(hook))
         self._active = True
 
     def detach(self, ctx: EngineContext) -> None:
@@ -178,7 +178,7 @@ class GradientRecorder(Feature):
                 del tensors[key]
 
         watched = _TensorWatch(weakref.ref(tensor, forget), tensor._version, recomputed=recompute)
-        watched.handle = tensor.register_hook(self._make_tensor_hook(watched))  # type: ignore[no-untyped-call]
+        watched.handle = tensor.register_hook(self._make_tensor_hook(watched))
         tensors[key] = watched
         return watched
 

@@ -51,7 +51,7 @@ _ParamHit = tuple[torch.Tensor, int, int, torch.dtype, Measurement]
 
 
 # An activation's measurement: a weak reference to the tensor measured, its version and storage then.
-class _Seen(weakref.ref):  # type: ignore[type-arg]
+class _Seen(weakref.ref[torch.Tensor]):
     """An activation's measurement: a weak reference to the tensor measured, with its version and storage then (one
     object, not a reference and a tuple: the garbage collector walks what lives until the batch ends)."""
 

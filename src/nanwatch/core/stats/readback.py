@@ -105,7 +105,8 @@ def read_back(measurements: Iterable[Measurement]) -> dict[int, ReadBack]:
             vectors.setdefault((vector.device, name), []).append(key)
     values: dict[int, Values] = {}
     for keys in ranges.values():
-        stacked = torch.stack([t for key in keys for t in (unique[key].abs_min, unique[key].abs_max)])  # type: ignore[misc]
+        ends = [(unique[key].abs_min, unique[key].abs_max) for key in keys]
+        stacked = torch.stack([end for pair in ends for end in pair if end is not None])  # both are, for every key
         numbers = stacked.tolist()
         for index, key in enumerate(keys):
             values[key] = lead().read(numbers[2 * index : 2 * index + 2])
@@ -115,7 +116,7 @@ def read_back(measurements: Iterable[Measurement]) -> dict[int, ReadBack]:
         statistic = by_name.get(name)
         if statistic is None:  # unregistered since it was measured
             continue
-        rows = _stack_rows([unique[key].extra[name] for key in keys])  # type: ignore[index]
+        rows = _stack_rows([(unique[key].extra or {})[name] for key in keys])  # each key has this vector
         for key, row in zip(keys, rows, strict=True):
             extra[key][name] = statistic.read(row)
     return {key: ReadBack(values[key], extra[key]) for key in unique}

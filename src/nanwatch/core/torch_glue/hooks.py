@@ -174,7 +174,7 @@ def _stand_in() -> Any:
     return types.SimpleNamespace(recorder=types.SimpleNamespace(recording=False), forward_hook=_NoOp())
 
 
-class _NoOp(functools.partial):  # type: ignore[type-arg]
+class _NoOp(functools.partial[None]):
     """A no-op hook (any arguments, returns None) that pickles as `pickled_away(arity)`."""
 
     arity: int | None
@@ -243,7 +243,7 @@ def copied_away(hook: Any, memo: dict[int, Any]) -> Any:
     return value
 
 
-class _Own(functools.partial):  # type: ignore[type-arg]
+class _Own(functools.partial[None]):
     """One of nanwatch's hooks, as the hook dict holds it: called as the hook itself (by C code, no frame of its own),
     pickled as a no-op (`pickled_away`, for the arguments it is called with) and left out of deep copies
     (`copied_away`)."""

@@ -191,7 +191,7 @@ class SentinelFeature(Feature):
                     self._saidunreadable = True
                     warn(unreadable(module, leaf, guarded=ctx.guarded))
             if call is not None and leaf.requires_grad:
-                leaf.register_hook(self._keep_gradient(call, label))  # type: ignore[no-untyped-call]
+                leaf.register_hook(self._keep_gradient(call, label))
 
     def _keep_gradient(self, call: Call, label: str) -> Any:
         def hook(grad: torch.Tensor) -> None:
