@@ -6,11 +6,13 @@ A model used by a single test file stays in that file. Three other modules hold 
 - `tests/trace_models.py`: `AmpNet` and the runs whose JSON Lines traces the CLI tests read; the reports and the
   docs name its classes and module (`amp Amplify`, `from tests.trace_models import ...`).
 - `tests/adapters/scripts/blowup_models.py`: models of the multi-process scripts, which run with only their own folder
-  on the import path (`blowup_models`, not `tests.`).
+  on the import path (`blowup_models`, not `tests.`); an in-process test that shares one of them (`ArmedBlowup`,
+  `Boosted`, `SumDataset`) imports it from there as `tests.adapters.scripts.blowup_models`.
 
 Class names are part of what the tests check (reports print `2 Scale`, transformers prints `body.0 Linear`): a model
-moved here keeps its name. Every factory seeds torch's generator as the copies it replaced did, so the weights are
-the same as before.
+moved here keeps its name. Models that are not the same keep names of their own, not one more `Net` or `Block`,
+except where a test asserts the name a report prints. Every factory seeds torch's generator as the copies it replaced
+did, so the weights are the same as before.
 """
 
 from __future__ import annotations

@@ -49,7 +49,7 @@ class Fan(nn.Module):
         return h, None, scale, (h.relu(), (h, h)), [h], {"h": h}
 
 
-class TupleModel(nn.Module):
+class FanTupleModel(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.fan = Fan()
@@ -253,10 +253,10 @@ SCENARIOS = {
     # first frame, whose values are finite.
     "mlp-inf-in-traced-batch": Scenario(MLP, float_feed({1: INF}), 4, {"trace_batch_nums": [1]}, "detect", 2),
     # (b) tuples with None, non-tensors, tuples of tuples, lists and dicts
-    "tuples-inf-batch0": Scenario(TupleModel, float_feed({0: INF}), 2, {}, "detect", 0),
-    "tuples-nan-batch2": Scenario(TupleModel, float_feed({2: NAN}), 4, {"max_frames_to_save": 4}, "detect", 2),
+    "tuples-inf-batch0": Scenario(FanTupleModel, float_feed({0: INF}), 2, {}, "detect", 0),
+    "tuples-nan-batch2": Scenario(FanTupleModel, float_feed({2: NAN}), 4, {"max_frames_to_save": 4}, "detect", 2),
     "tuples-trace-abort": Scenario(
-        TupleModel, float_feed(), 4, {"trace_batch_nums": [0, 2], "abort_after_batch_num": 2}, "abort", 2
+        FanTupleModel, float_feed(), 4, {"trace_batch_nums": [0, 2], "abort_after_batch_num": 2}, "abort", 2
     ),
     # (c) a module called twice in one forward; a module reachable from two parents
     "twice-inf-batch1": Scenario(Twice, float_feed({1: INF}), 3, {"max_frames_to_save": 6}, "detect", 1),

@@ -72,7 +72,7 @@ class Split(nn.Module):
         return h, None, scale, (h.relu(), h.tanh())
 
 
-class TupleModel(nn.Module):
+class SplitTupleModel(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.split = Split()
@@ -161,7 +161,7 @@ SCENARIOS = {
     "mlp-overflow-midway-batch3": Scenario(loud_mlp, float_forward({3: 3e37}), sgd_step, 5, 3, "body.2"),
     "mlp-inf-batch2-data-updates": Scenario(MLP, float_forward({2: INF}), data_step, 4, 2, "body.0"),
     "mlp-inf-hidden-by-inplace-relu": Scenario(positive_mlp, float_forward({1: -INF}), no_update, 3, 1, "body.0"),
-    "tuples-nan-batch2": Scenario(TupleModel, float_forward({2: NAN}), no_update, 4, 2, "split.proj"),
+    "tuples-nan-batch2": Scenario(SplitTupleModel, float_forward({2: NAN}), no_update, 4, 2, "split.proj"),
     "twice-inf-batch1": Scenario(Twice, float_forward({1: INF}), sgd_step, 3, 1, "block"),
     "gpt2-fp16-overflow-batch0": Scenario(gpt2_fp16(3e5), gpt2_forward, no_update, 2, 0, "h.1.mlp.c_fc"),
     "gpt2-fp16-overflow-batch2": Scenario(gpt2_fp16(1e3), gpt2_forward, grow_gpt2, 4, 2, "h.1.mlp.c_fc"),

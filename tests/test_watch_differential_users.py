@@ -41,7 +41,7 @@ SEED = 99
 CHANGED = "changed in place after the call: not measured"
 
 
-class Net(nn.Module):
+class BoostsAtBatch4(nn.Module):
     """`fc`, `act`, `head`, then `boost`, which overflows at batch 4; with `changes`, the caller halves `fc`'s output
     in place from batch 2."""
 
@@ -79,7 +79,7 @@ class CallerOverflows(nn.Module):
         return self.head(hidden)
 
 
-class Twice(nn.Module):
+class TwiceSecondChanged(nn.Module):
     """One Linear called twice; the caller scales the second call's output in place from batch 2; `boost` overflows at
     batch 4."""
 
@@ -148,20 +148,20 @@ class _Scaled(nn.Module):
 
 
 def _parametrized() -> nn.Module:
-    model = Net()
+    model = BoostsAtBatch4()
     torch.nn.utils.parametrize.register_parametrization(model.fc, "weight", _Scaled(model))
     return model
 
 
 CASES = {
     "caller-changes-output-from-batch-2": Case(
-        lambda: Net(changes=True), _nothing, _plain_call, "boost", {(2, "fc", "output")}, "boost (Scale)"
+        lambda: BoostsAtBatch4(changes=True), _nothing, _plain_call, "boost", {(2, "fc", "output")}, "boost (Scale)"
     ),
     "other-tool-hook-halves-from-batch-2": Case(
-        Net, _halving_hook, _plain_call, "boost", {(2, "fc", "output")}, "boost (Scale)"
+        BoostsAtBatch4, _halving_hook, _plain_call, "boost", {(2, "fc", "output")}, "boost (Scale)"
     ),
     "functional-call-inf-weight": Case(
-        Net,
+        BoostsAtBatch4,
         _nothing,
         _functional_call,
         "fc",
@@ -188,7 +188,7 @@ CASES = {
         "the top-level model (CallerOverflows) in its own code, outside its watched submodules",
     ),
     "module-called-twice-second-changed": Case(
-        Twice, _nothing, _plain_call, "boost", {(2, "block", "output")}, "boost (Scale)"
+        TwiceSecondChanged, _nothing, _plain_call, "boost", {(2, "block", "output")}, "boost (Scale)"
     ),
 }
 

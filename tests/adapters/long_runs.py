@@ -67,7 +67,7 @@ def lightning_regressor(optimizer: Callable[[Any], torch.optim.Optimizer], facto
     `factor(batch_idx)` in each training step; `optimizer(parameters)` is what `configure_optimizers` returns."""
     import lightning.pytorch as pl
 
-    class Regressor(pl.LightningModule):  # type: ignore[misc]
+    class LitRegressor(pl.LightningModule):  # type: ignore[misc]
         def __init__(self) -> None:
             super().__init__()
             self.net = small_mlp()
@@ -80,7 +80,7 @@ def lightning_regressor(optimizer: Callable[[Any], torch.optim.Optimizer], facto
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return optimizer(self.parameters())
 
-    return Regressor()
+    return LitRegressor()
 
 
 def hf_training_arguments(output_dir: Path, max_steps: int) -> Any:

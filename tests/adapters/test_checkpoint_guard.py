@@ -291,7 +291,7 @@ def test_plain_quarantine_on_a_full_disk_still_refuses_the_checkpoint(
 # ------------------------------------------------------------------------- buffers that hold inf by design
 
 
-class CausalMix(nn.Module):
+class ScalarCausalMix(nn.Module):
     """Attention over the 4 features of a row (a sequence of 4 scalars) under an additive causal mask kept as a
     buffer, -inf above the diagonal, as GPT-style models register it in `__init__`; its output is finite."""
 
@@ -306,9 +306,10 @@ class CausalMix(nn.Module):
 
 
 def masked_mlp() -> nn.Sequential:
-    """`CausalMix` (its mask `0.mask`) -> Linear(4, 8) -> ReLU -> Linear(8, 1), built after `torch.manual_seed(0)`."""
+    """`ScalarCausalMix` (its mask `0.mask`) -> Linear(4, 8) -> ReLU -> Linear(8, 1), built after
+    `torch.manual_seed(0)`."""
     torch.manual_seed(0)
-    return nn.Sequential(CausalMix(), nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    return nn.Sequential(ScalarCausalMix(), nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
 
 
 def _train_one_step(model: nn.Module, optimizer: torch.optim.Optimizer, handle: Any) -> None:
@@ -323,8 +324,8 @@ def test_a_mask_is_told_apart_under_a_framework_prefix_and_when_modules_share_it
     from nanwatch.core.features.buffer_masks import BufferMasks
 
     model = nn.Module()
-    model.sub = CausalMix()
-    model.other = CausalMix()
+    model.sub = ScalarCausalMix()
+    model.other = ScalarCausalMix()
     model.other.mask = model.sub.mask  # one mask for every layer, as some models share it
     model.register_buffer("mask", torch.zeros(4, 4))  # finite, of a mask's shape, and a suffix of "sub.mask"
     masks = BufferMasks()
@@ -348,7 +349,7 @@ def test_a_mask_every_layer_shares_is_kept_once() -> None:
     from nanwatch.core.features.buffer_masks import BufferMasks
 
     model = nn.Module()
-    model.layers = nn.ModuleList([CausalMix() for _ in range(3)])
+    model.layers = nn.ModuleList([ScalarCausalMix() for _ in range(3)])
     for layer in model.layers[1:]:
         layer.mask = model.layers[0].mask
     masks = BufferMasks()

@@ -203,7 +203,7 @@ def test_accelerate_a_spike_is_named_with_its_module(tmp_path: Path) -> None:
 # ------------------------------------------------------------------------------------------ the HF Trainer
 
 
-class _Regressor(nn.Module):
+class _LossInForward(nn.Module):
     """small_mlp returning {"loss", "logits"}, as a transformers model does (the loss inside its forward)."""
 
     def __init__(self) -> None:
@@ -227,7 +227,7 @@ def test_hf_trainer_a_gradient_spike_is_named_with_its_module(tmp_path: Path) ->
     data = [{"x": x, "labels": y} for x, y in _batches16(20)]
     arguments = hf_training_arguments(tmp_path / "out", 20)
     trainer = Trainer(
-        model=_Regressor(),
+        model=_LossInForward(),
         args=arguments,
         train_dataset=data,
         data_collator=lambda items: items[0],

@@ -159,7 +159,7 @@ def test_lightning_sentinel_replays_the_spike_and_names_the_module(tmp_path: Pat
 
     from nanwatch.adapters.lightning import OverflowCallback
 
-    class Regressor(pl.LightningModule):  # type: ignore[misc]
+    class LitBoosted(pl.LightningModule):  # type: ignore[misc]
         def __init__(self) -> None:
             super().__init__()
             self.net = Boosted()
@@ -172,7 +172,7 @@ def test_lightning_sentinel_replays_the_spike_and_names_the_module(tmp_path: Pat
             return torch.optim.SGD(self.parameters(), lr=1e-4)
 
     trainer = lightning_trainer(STEPS, [OverflowCallback(report_dir=tmp_path, **SENTINEL)])
-    trainer.fit(Regressor(), torch.utils.data.DataLoader(_data(), batch_size=None))
+    trainer.fit(LitBoosted(), torch.utils.data.DataLoader(_data(), batch_size=None))
 
     report = _spike_report(tmp_path)
     _assert_named_by_replay(report, "net.")

@@ -32,7 +32,7 @@ MODES: dict[str, dict[str, Any]] = {
 }
 
 
-class Regressor(nn.Module):
+class CausalRegressor(nn.Module):
     """Linear, a causal mix through a `-inf` mask buffer, dropout, Linear; returns its loss with the targets."""
 
     def __init__(self) -> None:
@@ -81,7 +81,7 @@ def _lightning(config: dict[str, Any] | None, folder: Path, checkpoints: bool) -
     class Module(pl.LightningModule):
         def __init__(self) -> None:
             super().__init__()
-            self.net = Regressor()
+            self.net = CausalRegressor()
 
         def training_step(self, batch: dict[str, torch.Tensor], index: int) -> torch.Tensor:
             return self.net(**batch)["loss"]
@@ -130,7 +130,7 @@ def _accelerate(config: dict[str, Any] | None, folder: Path, checkpoints: bool) 
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
     seed_everything(0)
-    model = Regressor()
+    model = CausalRegressor()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     steps = StepCounter(optimizer)
     tracker = None if config is None else OverflowTracker(report_dir=folder / "reports", **config)
@@ -172,7 +172,7 @@ def _hf_trainer(config: dict[str, Any] | None, folder: Path, checkpoints: bool) 
 
     from nanwatch.adapters.hf_trainer import OverflowTrainerCallback
 
-    class Wrapped(Regressor):
+    class Wrapped(CausalRegressor):
         def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:  # type: ignore[override]
             return super().forward(x, labels)
 

@@ -173,7 +173,7 @@ class FunctionalLoss:
         return nn.functional.mse_loss(logits * scale, labels)
 
 
-class Block(nn.Module):
+class ConformanceBlock(nn.Module):
     def __init__(self, fault: Fault) -> None:
         super().__init__()
         self.linear = nn.Linear(4, 8)
@@ -185,7 +185,7 @@ class Block(nn.Module):
         return out
 
 
-class Net(nn.Module):
+class ConformanceNet(nn.Module):
     """block (linear -> act -> fault) -> head; returns {"loss", "logits"} as a transformers model does.
 
     The fault module's qualified name is `block.fault`.
@@ -194,7 +194,7 @@ class Net(nn.Module):
     def __init__(self, scenario: Scenario) -> None:
         super().__init__()
         fault = Fault(scenario.inf_at, scenario.inf_rank, scenario.eval_inf_at, scenario.raise_at, scenario.fault_once)
-        self.block = Block(fault)
+        self.block = ConformanceBlock(fault)
         self.head = nn.Linear(8, 1)
 
     @property
@@ -210,10 +210,10 @@ class Net(nn.Module):
         return result
 
 
-def new_net(scenario: Scenario, *, micro_batches_done: int = 0) -> Net:
+def new_net(scenario: Scenario, *, micro_batches_done: int = 0) -> ConformanceNet:
     """The same initial weights on every rank and in every harness."""
     torch.manual_seed(0)
-    net = Net(scenario)
+    net = ConformanceNet(scenario)
     net.fault.count = micro_batches_done
     return net
 
@@ -335,7 +335,7 @@ class Outcome:
 def outcome(
     error: BaseException | None,
     *,
-    net: Net,
+    net: ConformanceNet,
     watcher: Any,
     recorder: StepRecorder,
     model: nn.Module,

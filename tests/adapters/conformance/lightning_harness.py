@@ -16,8 +16,8 @@ from tests.adapters.conformance.common import (
     BATCH_SIZE,
     LEARNING_RATE,
     MICRO_BATCHES_PER_EPOCH,
+    ConformanceNet,
     FunctionalLoss,
-    Net,
     Outcome,
     Scenario,
     StepRecorder,
@@ -38,7 +38,7 @@ FAULT_NAME = "net.block.fault"
 
 
 class _LitNet(pl.LightningModule):
-    def __init__(self, net: Net, loss_fn: FunctionalLoss | None = None) -> None:
+    def __init__(self, net: ConformanceNet, loss_fn: FunctionalLoss | None = None) -> None:
         super().__init__()
         self.net = net
         self.loss_fn = loss_fn

@@ -43,7 +43,7 @@ class Poison(torch.nn.Module):
         return _NanBackward.apply(x) if hit else x
 
 
-class Model(torch.nn.Module):
+class PoisonedNet(torch.nn.Module):
     def __init__(self, at: int, rank: int) -> None:
         super().__init__()
         self.inp = torch.nn.Linear(4, 8)
@@ -65,7 +65,7 @@ def main() -> int:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(0)
-    model = Model(options.inject_at, options.inject_rank)
+    model = PoisonedNet(options.inject_at, options.inject_rank)
     ddp = DistributedDataParallel(model)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
     data = SumDataset(32, seed=rank)

@@ -42,7 +42,7 @@ MODES: dict[str, dict[str, Any]] = {
 }
 
 
-class Block(nn.Module):
+class GeluBlock(nn.Module):
     def __init__(self, width_in: int, width_out: int) -> None:
         super().__init__()
         self.fc = nn.Linear(width_in, width_out)
@@ -52,13 +52,13 @@ class Block(nn.Module):
         return self.act(self.fc(x))
 
 
-class Net(nn.Module):
+class UnlikeShapesNet(nn.Module):
     """Linears of unlike shapes: the guard reduces each gradient on its own, not stacked with others of its shape."""
 
     def __init__(self) -> None:
         super().__init__()
         self.inp = nn.Linear(4, 40)
-        self.blocks = nn.ModuleList([Block(40, 48), Block(48, 32)])
+        self.blocks = nn.ModuleList([GeluBlock(40, 48), GeluBlock(48, 32)])
         self.out = nn.Linear(32, 2)  # every shard non-empty on 2 ranks, as most layers' are
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -70,14 +70,16 @@ class Net(nn.Module):
 
 def build(stack: str) -> nn.Module:
     torch.manual_seed(0)  # the same initial weights on every rank and in both twins
-    net = Net()
+    net = UnlikeShapesNet()
     if stack == "ddp":
         return nn.parallel.DistributedDataParallel(net)
     if stack == "fsdp1":
         from torch.distributed.fsdp import FullyShardedDataParallel
         from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-        return FullyShardedDataParallel(net, auto_wrap_policy=ModuleWrapPolicy({Block}), device_id=torch.device("cpu"))
+        return FullyShardedDataParallel(
+            net, auto_wrap_policy=ModuleWrapPolicy({GeluBlock}), device_id=torch.device("cpu")
+        )
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     options: dict[str, Any] = {}
