@@ -126,7 +126,7 @@ def test_what_cannot_be_watched_is_a_one_line_type_error_saying_what_to_do() -> 
 
 
 def test_a_forward_that_raises_propagates_the_same_exception_and_hooks_are_removed() -> None:
-    class Failing(nn.Module):
+    class RaisesTheUsersError(nn.Module):
         def __init__(self, error: Exception) -> None:
             super().__init__()
             self.linear = nn.Linear(2, 2)
@@ -137,7 +137,7 @@ def test_a_forward_that_raises_propagates_the_same_exception_and_hooks_are_remov
             raise self.error
 
     error = UserError("the user's own bug")
-    model = Failing(error)
+    model = RaisesTheUsersError(error)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(UserError) as info, watch(model, optimizer=optimizer):
         model(torch.ones(1, 2))
@@ -496,11 +496,11 @@ def test_empty_parameters_get_a_line_not_a_crash() -> None:
 
 
 def test_bool_int_complex_and_float8_tensors_get_lines() -> None:
-    class Odd(nn.Module):
+    class OddDtypes(nn.Module):
         def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
             return x > 0, (x * 10).long(), torch.complex(x, x), x.to(torch.float8_e4m3fn), x.to(torch.float8_e5m2)
 
-    model = nn.Sequential(Odd())
+    model = nn.Sequential(OddDtypes())
     x = torch.tensor([[-2.0, 0.5], [4.0, -1.0]])
     with watch(model) as handle:
         model(x)
@@ -572,12 +572,12 @@ def test_meta_device_modules_are_skipped_with_a_reason() -> None:
 
 
 def test_none_and_non_tensor_inputs_and_outputs() -> None:
-    class Mixed(nn.Module):
+    class MixedArguments(nn.Module):
         def forward(self, x: torch.Tensor, mask: Any, scale: float, name: str) -> Any:
             return {"hidden": x * scale, "mask": mask, "name": name, "extra": (None, 3)}
 
     model = nn.Sequential()
-    model.add_module("mixed", Mixed())
+    model.add_module("mixed", MixedArguments())
     with watch(model) as handle:
         model.mixed(torch.ones(2), None, 2.0, "layer")
         lines = _lines(handle, "mixed")

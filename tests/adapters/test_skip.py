@@ -148,7 +148,7 @@ def test_lightning_skips_the_step_and_counts_it_as_lightning_counts_any(tmp_path
 
     from nanwatch.adapters.lightning import OverflowCallback
 
-    class Regressor(pl.LightningModule):
+    class ScheduledRegressor(pl.LightningModule):
         def __init__(self) -> None:
             super().__init__()
             self.net = small_mlp()
@@ -167,7 +167,7 @@ def test_lightning_skips_the_step_and_counts_it_as_lightning_counts_any(tmp_path
             scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
             return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
-    module = Regressor()
+    module = ScheduledRegressor()
     initial = snapshot(module.net)
     callback = OverflowCallback(on_detect="skip", report_dir=tmp_path)
     trainer = lightning_trainer(5, [callback])
