@@ -1,4 +1,4 @@
-"""adapters/_common.py: what every adapter shares."""
+"""The adapters' helpers: the shared `_checks` and `_hooks`, and the HF Trainer's `close_when_forward_raises`."""
 
 from __future__ import annotations
 
@@ -6,7 +6,9 @@ import pytest
 import torch
 from torch import nn
 
-from nanwatch.adapters._common import close_when_forward_raises, guard_optimizers, real_optimizer, unwrap_model
+from nanwatch.adapters._checks import real_optimizer, unwrap_model
+from nanwatch.adapters._hooks import guard_optimizers
+from nanwatch.adapters.hf_trainer._trainer import close_when_forward_raises
 from nanwatch.core.config import WatchConfig
 from nanwatch.core.watcher import Watcher
 
@@ -61,7 +63,7 @@ def test_the_optimizer_guard_hooks_the_optimizer_inside_a_wrapper() -> None:
     guard_optimizers(watcher, [Wrapper(optimizer)])
     model(torch.ones(1, 2)).sum().backward()
     optimizer.step()
-    assert watcher.optimizer_step == 1
+    assert watcher.counters.optimizer_step == 1
     watcher.close()
     assert not optimizer._optimizer_step_pre_hooks
     assert not optimizer._optimizer_step_post_hooks

@@ -4,7 +4,6 @@ present; the config every adapter takes."""
 from __future__ import annotations
 
 import importlib
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, TypeAlias
 
@@ -19,12 +18,9 @@ __all__ = [
     "ConfigLike",
     "optional_base",
     "require",
-    "optimizer_list",
     "unwrap_model",
     "entry_module",
     "check_model",
-    "check_optimizer",
-    "check_config",
     "check_skip",
     "real_optimizer",
 ]
@@ -87,28 +83,6 @@ def check_model(model: object, caller: str) -> torch.nn.Module:
     return model
 
 
-def check_optimizer(optimizer: object, caller: str) -> None:
-    """A one-line `TypeError` unless `optimizer` is a torch optimizer (or a framework's wrapper of one)."""
-    if not isinstance(getattr(optimizer, "optimizer", optimizer), torch.optim.Optimizer):
-        hint = " (the optimizer itself, not model.parameters())" if hasattr(optimizer, "__next__") else ""
-        raise TypeError(f"{caller} needs optimizer= a torch.optim.Optimizer{hint}, got {type(optimizer).__name__}")
-
-
-def check_config(config: object, caller: str) -> None:
-    """A `ConfigError` naming the keyword when the config argument is an optimizer or a GradScaler."""
-    if isinstance(getattr(config, "optimizer", config), torch.optim.Optimizer):
-        keyword = "optimizer"
-    elif callable(getattr(config, "get_scale", None)) and callable(getattr(config, "unscale_", None)):
-        keyword = "scaler"
-    else:
-        return
-    raise ConfigError(
-        f"{caller}: the second argument is the config (a WatchConfig, a dict, or the path of a YAML/JSON file), got "
-        f"{type(config).__name__}, {'an' if keyword == 'optimizer' else 'a'} {keyword}: pass it by keyword, "
-        f"nanwatch.watch(model, {keyword}={keyword})"
-    )
-
-
 def check_skip(config: WatchConfig, optimizers: list[Any], caller: str, fix: str) -> None:
     """A one-line `ConfigError` when `on_detect="skip"` has no optimizer to skip: it skips the step a detection
     reaches, and without a guarded optimizer there is none (it would raise at the first detection instead)."""
@@ -117,13 +91,6 @@ def check_skip(config: WatchConfig, optimizers: list[Any], caller: str, fix: str
             f"nanwatch: on_detect='skip' skips the optimizer step of a micro-batch that holds inf/nan, and {caller} "
             f"has no optimizer whose steps it can skip: {fix}"
         )
-
-
-def optimizer_list(given: Any, default: Iterable[Any]) -> list[Any]:
-    """The optimizers an adapter guards: those `given` (one, or a list), or `default` (the framework's) when None."""
-    if given is None:
-        return list(default)
-    return [given] if isinstance(given, torch.optim.Optimizer) else list(given)
 
 
 def real_optimizer(optimizer: Any) -> torch.optim.Optimizer:

@@ -1,6 +1,9 @@
-"""The hooks an adapter adds beside the watcher's own, all removed by `watcher.close()`: on the root module (where each
-top-level forward starts), on optimizers (a check before each step), on a framework's method (its loss recorded); and
-stopping cleanly, every hook gone before an error of nanwatch's leaves it."""
+"""The hooks two or more adapters add beside the watcher's own, all removed by `watcher.close()`: on the root module
+(where each top-level forward starts), on optimizers (a check before each step, and a warning when another optimizer
+steps the watched weights); and stopping cleanly, every hook gone before an error of nanwatch's leaves it.
+
+A hook only one adapter adds lives beside that adapter: the HF Trainer's on a failing forward
+(`hf_trainer/_trainer.py`), Accelerate's on `accelerator.backward` (`accelerate/_accelerator.py`)."""
 
 from __future__ import annotations
 
@@ -27,12 +30,10 @@ __all__ = [
     "close_after",
     "add_phase_hook",
     "hook_root",
-    "close_when_forward_raises",
     "guard_optimizers",
     "guard_steps",
     "watch_root",
     "warn_if_steps_unguarded",
-    "watch_loss_of",
 ]
 
 Runner = Callable[[Callable[[], None]], None]  # runs an engine call (see stop_on_error)
@@ -91,36 +92,12 @@ def hook_root(watcher: AdapterContract, root: torch.nn.Module, before: PreHook, 
     rank alone (evaluation may run on some ranks only). For adapters that see no batch events, only the forwards."""
 
     def after(module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        if watcher.phase == "eval" and watcher.recording:
+        if watcher.counters.phase == "eval" and watcher.recording:
             stop_on_error(watcher, watcher.end_batch)
 
     add_phase_hook(watcher, root, before, prepend=prepend)
     # Registered after the watcher's own hooks (attach() came first): it runs after the root's frame was recorded.
     watcher.hooks.add_forward(root, watcher.outside_graph(root, after, (), None))
-
-
-def close_when_forward_raises(watcher: AdapterContract, root: torch.nn.Module, close: Callable[[], None]) -> None:
-    """Run `close` when the root's forward raises the user's own error, for frameworks that tell callbacks nothing
-    when training fails (the HF Trainer): the error goes on unchanged, and no hook of ours stays on the model."""
-
-    def after_failed_forward(module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        # With always_call, torch runs this hook inside its `except` when the forward raised: the error is current.
-        failure = sys.exc_info()[1]
-        if failure is not None and not isinstance(failure, NanwatchError):
-            close()
-
-    handle = root.register_forward_hook(after_failed_forward, always_call=True)
-    watcher.hooks.add_handle(handle)
-
-    def keep_last(module: torch.nn.Module, args: tuple[Any, ...]) -> None:
-        # `close` removes hooks from the very dict torch is walking when it calls this one. The walk may end after
-        # such a change only if this hook is its last item: were it not, torch would raise "OrderedDict mutated
-        # during iteration" in place of the user's error. So it is kept last, before every forward.
-        hooks = module._forward_hooks
-        if handle.id in hooks and next(reversed(hooks)) != handle.id:
-            hooks[handle.id] = hooks.pop(handle.id)  # to the end, under the same key
-
-    watcher.hooks.add_handle(root.register_forward_pre_hook(keep_last))
 
 
 # --------------------------------------------------------------------------------------- optimizers
@@ -192,7 +169,7 @@ def _on_stack(frame: types.FrameType, top: types.FrameType | None) -> bool:
 
 def guard_steps(watcher: AdapterContract, optimizers: list[Any]) -> None:
     """`guard_optimizers` that stops cleanly, its steps counted from 0 where the framework counts none."""
-    if optimizers and watcher.optimizer_step is None:
+    if optimizers and watcher.counters.optimizer_step is None:
         watcher.set_counters(optimizer_step=0)
     guard_optimizers(watcher, optimizers, run=lambda action: stop_on_error(watcher, action))
 
@@ -259,39 +236,3 @@ def warn_if_steps_unguarded(watcher: AdapterContract, models: Iterable[torch.nn.
 
 # The global step pre-hooks of `warn_if_steps_unguarded`, with their watchers (weakly).
 _STEP_HOOKS: list[tuple[weakref.ref[AdapterContract], RemovableHandle]] = []
-
-
-# ---------------------------------------------------------------------------------- wrapped methods
-
-
-class _WrappedMethod:
-    """`obj.name` replaced by a wrapper on the instance; `remove()` puts back what was there (a handle for HookSet)."""
-
-    def __init__(self, obj: Any, name: str, wrapper: Callable[..., Any]) -> None:
-        self._obj, self._name, self._wrapper = obj, name, wrapper
-        self._own = vars(obj).get(name, _NOTHING)  # an attribute of the instance itself, set before us
-        setattr(obj, name, wrapper)
-
-    def remove(self) -> None:
-        if vars(self._obj).get(self._name) is not self._wrapper:
-            return  # replaced again since: not ours to undo
-        if self._own is _NOTHING:
-            delattr(self._obj, self._name)
-        else:
-            setattr(self._obj, self._name, self._own)
-
-
-_NOTHING = object()
-
-
-def watch_loss_of(watcher: AdapterContract, obj: Any, method: str) -> None:
-    """Have `obj.method(loss, ...)` (Accelerate's `accelerator.backward`) record its loss first, until the watcher
-    closes (a loss the user recorded already is not recorded twice: `Watcher.watch_loss`)."""
-    original = getattr(obj, method)
-
-    def wrapper(loss: Any, *args: Any, **kwargs: Any) -> Any:
-        if isinstance(loss, torch.Tensor):
-            watcher.watch_loss(loss)
-        return original(loss, *args, **kwargs)
-
-    watcher.hooks.add_handle(_WrappedMethod(obj, method, wrapper))

@@ -4,7 +4,8 @@ The loop calls `handle.step()` after each micro-batch; that is the batch counter
 check before every optimizer step, so a step that would apply inf/nan never runs. Under a `GradScaler` (`scaler=`),
 the scale of a micro-batch's step is read as the next micro-batch starts: `step()` may come before or after
 `scaler.step()`. When nanwatch raises, the handle removes its hooks first (`step()` goes on counting, recording
-nothing); one watcher per model (`_common.take_over`).
+nothing); one watcher per model (`take_over`, in `_loop.py`
+beside this module).
 """
 
 from __future__ import annotations
@@ -15,19 +16,20 @@ from typing import Any
 
 import torch
 
-from nanwatch.adapters import _common
+from nanwatch.adapters._checks import ConfigLike, check_model, check_skip, entry_module, unwrap_model
+from nanwatch.adapters._hooks import close_after, guard_steps, stop_on_error, watch_root
+from nanwatch.adapters._user_handle import UserHandle
+from nanwatch.adapters.plain._loop import ScaleAfterStep, check_config, check_optimizer, hold, take_over
 from nanwatch.core.config import WatchConfig, resolve_config
 from nanwatch.core.contract import AdapterContract
 from nanwatch.core.readouts import GradScalerLike
 from nanwatch.core.watcher import Watcher
 from nanwatch.errors import LossScaleBelowFloor
 
-unwrap_model = _common.unwrap_model
-
 __all__ = ["watch", "WatchHandle", "unwrap_model"]
 
 
-class WatchHandle(_common.UserHandle):
+class WatchHandle(UserHandle):
     """What `watch()` returns: call `step()` after each micro-batch; use it as a context manager or `close()` it."""
 
     def __init__(
@@ -38,22 +40,22 @@ class WatchHandle(_common.UserHandle):
         optimizer: torch.optim.Optimizer | None = None,
         scaler: GradScalerLike | None = None,
     ) -> None:
-        watched = _common.unwrap_model(_common.check_model(model, "watch()"))
+        watched = unwrap_model(check_model(model, "watch()"))
         if optimizer is not None:
-            _common.check_optimizer(optimizer, "watch()")
+            check_optimizer(optimizer, "watch()")
         fix = "pass it, nanwatch.watch(model, optimizer=optimizer, on_detect='skip')"
-        _common.check_skip(config, [] if optimizer is None else [optimizer], "watch()", fix)
+        check_skip(config, [] if optimizer is None else [optimizer], "watch()", fix)
         # Holds the model while watching, and lets it go at close().
-        self.watcher: AdapterContract = Watcher(watched, config, entry=_common.entry_module(model, watched))
+        self.watcher: AdapterContract = Watcher(watched, config, entry=entry_module(model, watched))
         if scaler is not None:  # before attach: a bad scaler raises with no hook left behind
             self.watcher.watch_scaler(scaler, read_scale="when_settled")
         self._closed = False
-        self._scale = _common.ScaleAfterStep(self.watcher)
+        self._scale = ScaleAfterStep(self.watcher)
         try:
-            _common.take_over(watched, caller="watch()", fix="handle.close(), or `with nanwatch.watch(...) as handle:`")
+            take_over(watched, caller="watch()", fix="handle.close(), or `with nanwatch.watch(...) as handle:`")
             # Any other optimizer that steps the model's weights (or this one, when none was passed) is said once.
             fix = "Pass the optimizer to check before each of its steps: nanwatch.watch(model, optimizer=optimizer)"
-            _common.watch_root(
+            watch_root(
                 self.watcher,
                 watched,
                 self._before_top_forward,
@@ -64,7 +66,7 @@ class WatchHandle(_common.UserHandle):
         except BaseException:
             self.watcher.close(check=False)  # a watch() that failed leaves nothing attached
             raise
-        _common.hold(self)
+        hold(self)
 
     @property
     def model(self) -> torch.nn.Module:
@@ -86,12 +88,12 @@ class WatchHandle(_common.UserHandle):
                 self._scale.read(in_hook=True)
             self.watcher.start_batch("train" if training else "eval")
 
-        _common.stop_on_error(self.watcher, start)
+        stop_on_error(self.watcher, start)
 
     def guard(self, optimizer: torch.optim.Optimizer) -> None:
         """Check (and agree across ranks) before each `optimizer.step()`; raise there so the step never runs."""
-        _common.check_optimizer(optimizer, "guard()")
-        _common.guard_steps(self.watcher, [optimizer])
+        check_optimizer(optimizer, "guard()")
+        guard_steps(self.watcher, [optimizer])
 
     def step(self) -> None:
         """End the current training micro-batch: check it, then advance `batch_number`.
@@ -108,12 +110,12 @@ class WatchHandle(_common.UserHandle):
             # If the optimizer guard already agreed during this micro-batch, end_batch() runs no second collective.
             self.watcher.end_batch()
 
-        _common.stop_on_error(self.watcher, end)
+        stop_on_error(self.watcher, end)
         self._scale.step_done()
 
     def check(self) -> None:
         """Check now (one host sync, and a collective when distributed) rather than waiting for `step()`."""
-        _common.stop_on_error(self.watcher, lambda: self.watcher.agreement_point(hold=False))
+        stop_on_error(self.watcher, lambda: self.watcher.agreement_point(hold=False))
 
     def close(self) -> None:
         """Remove every hook; check what was recorded since the last `step()` and log a report if it holds inf/nan."""
@@ -130,7 +132,7 @@ class WatchHandle(_common.UserHandle):
         self, exc_type: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None
     ) -> None:
         if exc_type is not None:  # log what we saw, remove the hooks, and let the user's exception propagate
-            _common.close_after(exc, self.close, self.watcher.logger, "close cleanly")
+            close_after(exc, self.close, self.watcher.logger, "close cleanly")
             return
         if self._closed:
             return
@@ -141,7 +143,7 @@ class WatchHandle(_common.UserHandle):
 
 def watch(
     model: torch.nn.Module,
-    config: _common.ConfigLike = None,
+    config: ConfigLike = None,
     *,
     optimizer: torch.optim.Optimizer | None = None,
     scaler: GradScalerLike | None = None,
@@ -167,5 +169,5 @@ def watch(
             without `optimizer` (there is no step to skip).
         TypeError: `scaler` is not a GradScaler.
     """
-    _common.check_config(config, "watch()")
+    check_config(config, "watch()")
     return WatchHandle(model, resolve_config(config, **overrides), optimizer=optimizer, scaler=scaler)

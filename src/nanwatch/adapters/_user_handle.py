@@ -1,20 +1,19 @@
-"""What the user holds: the members `nanwatch.watch`'s handle and Accelerate's tracker share (`UserHandle`), and one
-live handle per model (`take_over`), and the scale of the loop's GradScaler read once per micro-batch
-(`ScaleAfterStep`)."""
+"""What the user holds: the members `nanwatch.watch`'s handle (plain) and Accelerate's tracker share (`UserHandle`).
+
+What only the plain loop's handle needs (one live handle per model, the loop's GradScaler read once per micro-batch)
+lives beside it, in `plain/_loop.py`."""
 
 from __future__ import annotations
 
 import os
-import weakref
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 import torch
 
 from nanwatch.adapters._checkpoints import save_checked
 from nanwatch.core.contract import AdapterContract
-from nanwatch.core.log import warn
 
-__all__ = ["UserHandle", "LiveHandle", "hold", "let_go", "take_over", "ScaleAfterStep"]
+__all__ = ["UserHandle"]
 
 _H = TypeVar("_H", bound="UserHandle")
 
@@ -61,17 +60,17 @@ class UserHandle:
     @property
     def batch_number(self) -> int:
         """The current training micro-batch, 0-indexed: how many have ended."""
-        return 0 if self.watcher is None else self.watcher.batch_number
+        return 0 if self.watcher is None else self.watcher.counters.batch_number
 
     @property
     def optimizer_step(self) -> int | None:
         """Optimizer steps so far (guarded steps, or the framework's count); None when nothing counts them."""
-        return None if self.watcher is None else self.watcher.optimizer_step
+        return None if self.watcher is None else self.watcher.counters.optimizer_step
 
     @property
     def epoch(self) -> int | None:
         """The epoch in the reports; None until the framework or the user says one (`handle.epoch = n`)."""
-        return None if self.watcher is None else self.watcher.epoch
+        return None if self.watcher is None else self.watcher.counters.epoch
 
     @epoch.setter
     def epoch(self, value: int | None) -> None:
@@ -99,77 +98,3 @@ class UserHandle:
 
     def __enter__(self: _H) -> _H:
         return self
-
-
-# ------------------------------------------------------------------------------ one live handle per model
-
-
-class LiveHandle(Protocol):
-    """A handle whose hooks may be on a model until it is closed."""
-
-    @property
-    def watcher(self) -> AdapterContract | None: ...
-
-    @property
-    def batch_number(self) -> int: ...
-
-    def close(self) -> None: ...
-
-
-# The handles whose hooks may still be on a model (a handle is kept alive by its hooks, not by this set).
-_LIVE: weakref.WeakSet[LiveHandle] = weakref.WeakSet()
-
-
-def hold(handle: LiveHandle) -> None:
-    """`handle` watches its model now, until `let_go(handle)`: a later `take_over` of that model closes it."""
-    _LIVE.add(handle)
-
-
-def let_go(handle: LiveHandle) -> None:
-    """`handle` is closed (or shares its model on purpose, as benchmarks/overhead.py does): no `take_over` closes it."""
-    _LIVE.discard(handle)
-
-
-def take_over(model: torch.nn.Module, *, caller: str, fix: str) -> None:
-    """One watcher per model: close every live handle that still has hooks on a module of `model`, with a warning
-    that names `caller` and how to close a handle (`fix`). Two handles on one model would both record every call and
-    both count batches; a nan in the new run would be raised by the old handle with its own batch number."""
-    if not _LIVE:
-        return
-    ours = {id(module) for module in model.modules()}
-    for old in list(_LIVE):
-        watcher = old.watcher
-        if watcher is None or not watcher.attached or ours.isdisjoint(map(id, watcher.model.modules())):
-            continue
-        warn(
-            f"nanwatch: {caller} on a model that an earlier {caller} handle still watches (at its "
-            f"batch_number={old.batch_number}): that handle is closed now, and the new one takes over. Close a "
-            f"handle when its run ends: {fix}"
-        )
-        old.close()
-
-
-# ----------------------------------------------------------------------- the scale of the loop's GradScaler
-
-
-class ScaleAfterStep:
-    """A hand-written loop calls `handle.step()` before or after `scaler.step()` and `update()`: the scale that a
-    micro-batch's step left is read once (none without a scaler), as the next training micro-batch starts or watching
-    ends, when that step is surely done (`watch_scaler(read_scale="when_settled")`)."""
-
-    def __init__(self, watcher: AdapterContract) -> None:
-        self._watcher = watcher
-        self._unread = False  # a micro-batch ended; the scaler's verdict on its step is not read yet
-
-    def step_done(self) -> None:
-        """A micro-batch ended: its optimizer step is done, or will be by the next forward."""
-        self._unread = True
-
-    def read(self, *, in_hook: bool = False) -> None:
-        """Read the scale of the last micro-batch's step, if not read yet; may raise `LossScaleBelowFloor`.
-
-        `in_hook`: called from a forward pre-hook, where reading a GPU's scale would wait for the GPU: the scale is
-        copied there and read with the next check (the "settling" stage)."""
-        if self._unread:
-            self._unread = False
-            self._watcher.on_optimizer_step("settling" if in_hook else "settled")

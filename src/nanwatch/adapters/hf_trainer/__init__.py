@@ -15,7 +15,16 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from nanwatch.adapters import _common
+from nanwatch.adapters._checks import ConfigLike, optional_base, require, unwrap_model
+from nanwatch.adapters._hooks import add_phase_hook, guard_optimizers, stop_on_error
+from nanwatch.adapters._scaler import follow_scaler
+from nanwatch.adapters.hf_trainer._trainer import (
+    HeldForLog,
+    close_when_forward_raises,
+    micro_batches_done,
+    trainer_epoch,
+    verify_trainer_save,
+)
 from nanwatch.core.config import resolve_config
 from nanwatch.core.contract import AdapterContract
 from nanwatch.core.readouts import LossScaleHistory
@@ -25,7 +34,7 @@ _MISSING_TRANSFORMERS: ImportError | None = None
 if TYPE_CHECKING:
     from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 else:  # constructing the callback reports a missing transformers; importing this module alone must not fail
-    TrainerCallback, _MISSING_TRANSFORMERS = _common.optional_base("transformers", "TrainerCallback")
+    TrainerCallback, _MISSING_TRANSFORMERS = optional_base("transformers", "TrainerCallback")
 
 __all__ = ["OverflowTrainerCallback"]
 
@@ -50,12 +59,12 @@ class OverflowTrainerCallback(TrainerCallback):  # type: ignore[misc,unused-igno
         ConfigError: the config or an override names an unknown field or holds a bad value.
     """
 
-    def __init__(self, config: _common.ConfigLike = None, **overrides: Any) -> None:
+    def __init__(self, config: ConfigLike = None, **overrides: Any) -> None:
         message = "OverflowTrainerCallback needs the transformers package, which is not installed: pip install "
-        _common.require(_MISSING_TRANSFORMERS, message + '"nanwatch[transformers]"')
+        require(_MISSING_TRANSFORMERS, message + '"nanwatch[transformers]"')
         self.config = resolve_config(config, **overrides)
         self.watcher: AdapterContract | None = None
-        self._summary = _common.HeldForLog()  # due, waiting for the Trainer's next log event
+        self._summary = HeldForLog()  # due, waiting for the Trainer's next log event
         self.loss_scale: LossScaleHistory | None = None
 
     def on_train_begin(
@@ -67,25 +76,25 @@ class OverflowTrainerCallback(TrainerCallback):  # type: ignore[misc,unused-igno
                 f"OverflowTrainerCallback expects the Trainer to pass its model, got {type(model).__name__}"
             )
         self.close()  # hooks left by an earlier train() that raised something other than our own error
-        root = _common.unwrap_model(model)
+        root = unwrap_model(model)
         # Rank and world size come from torch.distributed (as args.process_index does): its default group carries
         # the agreement all-reduce.
         watcher: AdapterContract = Watcher(root, self.config)
-        batches = _common.micro_batches_done(args, state, kwargs.get("train_dataloader"))
-        epoch = _common.trainer_epoch(state)
+        batches = micro_batches_done(args, state, kwargs.get("train_dataloader"))
+        epoch = trainer_epoch(state)
         watcher.load_state_dict({"batch_number": batches, "optimizer_step": state.global_step, "epoch": epoch})
         optimizer = kwargs.get("optimizer")
         # The Trainer's accelerator's GradScaler, if fp16 scales the loss. The scale changes only in a step's
         # update(): read it once, after each step (on_optimizer_step).
-        _common.follow_scaler(watcher, optimizer, read_scale="when_settled")
+        follow_scaler(watcher, optimizer, read_scale="when_settled")
         watcher.attach()
-        _common.add_phase_hook(watcher, root, self._before_top_forward)
+        add_phase_hook(watcher, root, self._before_top_forward)
         # The Trainer tells callbacks nothing when training raises; an error in the model's forward is seen here.
-        _common.close_when_forward_raises(watcher, root, lambda: self.close(check=True))
+        close_when_forward_raises(watcher, root, lambda: self.close(check=True))
         if optimizer is not None:
             # Checked before each step (under a scaler, inside `scaler.step`, which calls `optimizer.step` only for
             # a step it does not skip); every rank gets here alike.
-            _common.guard_optimizers(watcher, [optimizer], run=self._run)
+            guard_optimizers(watcher, [optimizer], run=self._run)
         watcher.summary_sink = self._summary.hold  # on every rank: see on_step_end
         self.watcher = watcher
 
@@ -127,7 +136,7 @@ class OverflowTrainerCallback(TrainerCallback):  # type: ignore[misc,unused-igno
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         # One evaluation batch is over; every rank evaluates the same number of batches, so the collective is safe.
-        if self.watcher is not None and self.watcher.phase == "eval" and self.watcher.recording:
+        if self.watcher is not None and self.watcher.counters.phase == "eval" and self.watcher.recording:
             self._end_batch(state, "eval")
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
@@ -140,7 +149,7 @@ class OverflowTrainerCallback(TrainerCallback):  # type: ignore[misc,unused-igno
     ) -> None:
         # The Trainer saves (and rotates older checkpoints out) right after these events when its control says so.
         if (watcher := self.watcher) is not None and control.should_save:
-            self._run(lambda: _common.verify_trainer_save(watcher, args.output_dir or ".", state.global_step, kwargs))
+            self._run(lambda: verify_trainer_save(watcher, args.output_dir or ".", state.global_step, kwargs))
 
     def on_log(
         self,
@@ -160,11 +169,11 @@ class OverflowTrainerCallback(TrainerCallback):  # type: ignore[misc,unused-igno
         def end() -> None:
             if phase == "train":
                 watcher.start_batch("train")  # raises when another rank stopped (this rank's frames checked first)
-            watcher.end_batch(optimizer_step=state.global_step, epoch=_common.trainer_epoch(state))
+            watcher.end_batch(optimizer_step=state.global_step, epoch=trainer_epoch(state))
 
         self._run(end)
 
     def _run(self, action: Callable[[], None]) -> None:
         # The Trainer has no exception event: the hooks go before any error of a check leaves train().
         if self.watcher is not None:
-            _common.stop_on_error(self.watcher, action, close=self.close, errors=BaseException)
+            stop_on_error(self.watcher, action, close=self.close, errors=BaseException)

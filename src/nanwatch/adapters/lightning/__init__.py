@@ -13,7 +13,10 @@ from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
 
-from nanwatch.adapters import _common
+from nanwatch.adapters._checks import ConfigLike, optional_base, require
+from nanwatch.adapters._hooks import close_after, guard_optimizers, warn_if_steps_unguarded
+from nanwatch.adapters._scaler import follow_scaler
+from nanwatch.adapters.lightning._trainer import guard_lightning_saves, to_loggers
 from nanwatch.core.config import resolve_config
 from nanwatch.core.contract import AdapterContract
 from nanwatch.core.log import get_logger
@@ -27,7 +30,7 @@ _LIGHTNING_IMPORT_ERROR: ImportError | None = None
 if TYPE_CHECKING:
     from lightning.pytorch import Callback, LightningModule, Trainer
 else:  # the error is raised again, with the install hint, when the callback is constructed
-    Callback, _LIGHTNING_IMPORT_ERROR = _common.optional_base("lightning.pytorch", "Callback")
+    Callback, _LIGHTNING_IMPORT_ERROR = optional_base("lightning.pytorch", "Callback")
 
 
 class OverflowCallback(Callback):
@@ -42,9 +45,9 @@ class OverflowCallback(Callback):
         ConfigError: the config or an override names an unknown field or holds a bad value.
     """
 
-    def __init__(self, config: _common.ConfigLike = None, **overrides: Any) -> None:
+    def __init__(self, config: ConfigLike = None, **overrides: Any) -> None:
         message = "nanwatch's OverflowCallback needs the `lightning` package, which could not be imported "
-        _common.require(
+        require(
             _LIGHTNING_IMPORT_ERROR,
             f'{message}({_LIGHTNING_IMPORT_ERROR}). Install it with: pip install "nanwatch[lightning]"',
         )
@@ -67,19 +70,19 @@ class OverflowCallback(Callback):
         if not trainer.is_global_zero:
             watcher.summary_sink = None  # Lightning's loggers write on rank zero only: no read-back elsewhere
         elif trainer.loggers:  # without any, the summary goes to the "nanwatch" logger
-            watcher.summary_sink = _common.to_loggers(trainer)
-        _common.follow_scaler(watcher, trainer.precision_plugin)  # MixedPrecision("16-mixed") and FSDP's have one
+            watcher.summary_sink = to_loggers(trainer)
+        follow_scaler(watcher, trainer.precision_plugin)  # MixedPrecision("16-mixed") and FSDP's have one
         # Checked before each step (after Lightning's closure computed the gradients); under a scaler only the steps
         # it does not skip reach the optimizer.
-        _common.guard_optimizers(watcher, trainer.optimizers, count_steps=False)
+        guard_optimizers(watcher, trainer.optimizers, count_steps=False)
         # Manual optimization may step an optimizer of its own, which Lightning does not know: said once.
-        _common.warn_if_steps_unguarded(
+        warn_if_steps_unguarded(
             watcher,
             (pl_module,),
             "Return the optimizer from configure_optimizers(): nanwatch then checks before each of its steps.",
         )
         # Every checkpoint the strategy writes is checked first (ModelCheckpoint's, trainer.save_checkpoint()).
-        _common.guard_lightning_saves(watcher, trainer)
+        guard_lightning_saves(watcher, trainer)
         self.watcher = watcher
 
     def _stop(self, *, check: bool = False) -> None:
@@ -104,7 +107,7 @@ class OverflowCallback(Callback):
         # Lightning re-raises `exception` after this hook; nothing here may replace or hide it. The user's own error
         # may come from an inf/nan we saw: check what is pending (no collective) and publish it.
         check = not isinstance(exception, NonFiniteError)
-        _common.close_after(exception, lambda: self._stop(check=check), get_logger(), "check the last batch")
+        close_after(exception, lambda: self._stop(check=check), get_logger(), "check the last batch")
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         if self.watcher is not None:

@@ -15,7 +15,17 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from nanwatch.adapters import _common
+from nanwatch.adapters._checks import ConfigLike, check_model, check_skip, entry_module, optional_base, require
+from nanwatch.adapters._hooks import stop_on_error, watch_root
+from nanwatch.adapters._scaler import follow_scaler
+from nanwatch.adapters._user_handle import UserHandle
+from nanwatch.adapters.accelerate._accelerator import (
+    dataloader_epoch,
+    guard_accelerate_saves,
+    optimizer_list,
+    to_trackers,
+    watch_loss_of,
+)
 from nanwatch.core.config import resolve_config
 from nanwatch.core.contract import AdapterContract
 from nanwatch.core.watcher import Watcher
@@ -25,12 +35,12 @@ if TYPE_CHECKING:
     from accelerate import Accelerator
     from accelerate.tracking import GeneralTracker
 else:  # the class must still exist without accelerate, so that constructing it can say what is missing
-    GeneralTracker, _IMPORT_ERROR = _common.optional_base("accelerate.tracking", "GeneralTracker")
+    GeneralTracker, _IMPORT_ERROR = optional_base("accelerate.tracking", "GeneralTracker")
 
 __all__ = ["OverflowTracker"]
 
 
-class OverflowTracker(_common.UserHandle, GeneralTracker):  # type: ignore[misc]
+class OverflowTracker(UserHandle, GeneralTracker):  # type: ignore[misc]
     """Watches a model trained with Accelerate for inf/nan; every rank stops together at the first one.
 
     Args:
@@ -47,9 +57,9 @@ class OverflowTracker(_common.UserHandle, GeneralTracker):  # type: ignore[misc]
     # attach() and the hooks run on every process; only log() and finish() are called by Accelerate on the main one.
     main_process_only = False
 
-    def __init__(self, config: _common.ConfigLike = None, **overrides: Any) -> None:
+    def __init__(self, config: ConfigLike = None, **overrides: Any) -> None:
         message = 'OverflowTracker needs the "accelerate" package; install it with: pip install "nanwatch[accelerate]"'
-        _common.require(_IMPORT_ERROR, message)
+        require(_IMPORT_ERROR, message)
         super().__init__()
         self.config = resolve_config(config, **overrides)
         self.watcher: AdapterContract | None = None
@@ -86,31 +96,31 @@ class OverflowTracker(_common.UserHandle, GeneralTracker):  # type: ignore[misc]
         """
         if self.watcher is not None and self.watcher.attached:
             raise RuntimeError("nanwatch: OverflowTracker is already attached; call detach() first")
-        checked = _common.check_model(model, "OverflowTracker.attach()")
-        guarded = _common.optimizer_list(optimizers, default=getattr(accelerator, "_optimizers", []))
+        checked = check_model(model, "OverflowTracker.attach()")
+        guarded = optimizer_list(optimizers, default=getattr(accelerator, "_optimizers", []))
         fix = (
             "prepare the optimizer (accelerator.prepare) before tracker.attach(), or pass it: "
             "tracker.attach(accelerator, model, optimizers=optimizer)"
         )
-        _common.check_skip(self.config, guarded, "OverflowTracker.attach()", fix)
+        check_skip(self.config, guarded, "OverflowTracker.attach()", fix)
         root = accelerator.unwrap_model(checked, keep_torch_compile=False)
         watcher: AdapterContract = Watcher(
             root,
             self.config,
             rank=accelerator.process_index,
             world_size=accelerator.num_processes,
-            entry=_common.entry_module(model, root),
+            entry=entry_module(model, root),
         )
         if self._pending_state is not None:
             watcher.load_state_dict(self._pending_state)
             self._pending_state = None
         if self._epoch_said is not None:
             watcher.set_counters(epoch=self._epoch_said)
-        watcher.summary_sink = _common.to_trackers(accelerator, watcher, self) if accelerator.is_main_process else None
+        watcher.summary_sink = to_trackers(accelerator, watcher, self) if accelerator.is_main_process else None
         # First of the root's pre-hooks: the previous micro-batch ends (and may be reported, with its replay copy)
         # before anything starts recording the new one. An optimizer that steps the model but is not among these
         # (none was prepared, say) is said once.
-        _common.watch_root(
+        watch_root(
             watcher,
             root,
             lambda module, args: self._before_root_forward(accelerator, module),
@@ -122,12 +132,12 @@ class OverflowTracker(_common.UserHandle, GeneralTracker):  # type: ignore[misc]
         )
         # The loss handed to `accelerator.backward(loss)` (often `F.mse_loss(...)`, outside every module): read in
         # the check before the step.
-        _common.watch_loss_of(watcher, accelerator, "backward")
+        watch_loss_of(watcher, accelerator, "backward")
         # None unless fp16 runs on a device Accelerate builds a GradScaler for; its first reading at the counters set.
-        _common.follow_scaler(watcher, accelerator)
+        follow_scaler(watcher, accelerator)
         self.watcher = watcher
         self._batch_open = False
-        _common.guard_accelerate_saves(watcher, accelerator)  # save_state() checks first, until detach()
+        guard_accelerate_saves(watcher, accelerator)  # save_state() checks first, until detach()
         return self
 
     def detach(self) -> None:
@@ -167,10 +177,10 @@ class OverflowTracker(_common.UserHandle, GeneralTracker):  # type: ignore[misc]
             return
         epoch = self._epoch_said
         if epoch is None:
-            epoch = _common.dataloader_epoch(accelerator, otherwise=watcher.epoch)
+            epoch = dataloader_epoch(accelerator, otherwise=watcher.counters.epoch)
         watcher.set_phase("train")  # back from any evaluation, in the open micro-batch, which ends now
         if self._batch_open:
-            _common.stop_on_error(watcher, watcher.end_batch)
+            stop_on_error(watcher, watcher.end_batch)
         self._batch_open = True
         # Raises when another rank stopped: our hooks go with the error, as with end_batch's.
-        _common.stop_on_error(watcher, lambda: watcher.start_batch("train", epoch=epoch))
+        stop_on_error(watcher, lambda: watcher.start_batch("train", epoch=epoch))
