@@ -1,4 +1,5 @@
-"""How the ranks' agreement (core/board.py) scales: N simulated ranks against one real TCPStore server.
+"""What the ranks' agreement costs: N simulated ranks against one real TCPStore server (or, with --per-call, a
+rank's ask per micro-batch on real gloo processes).
 
 The server runs in a process of its own (so its CPU time is its own: read from /proc); each simulated rank is a
 thread of this process with its own client connection and its own `DetectionBoard`, whose listener thread holds one
@@ -21,8 +22,16 @@ own connections and board): closer to real ranks, which share no interpreter loc
 one instant of the system's monotonic clock, which every process reads alike, and report when each rank had its
 verdict.
 
-Connecting is timed apart: on this project's machine one local TCP connect in about thirty takes 5 s, so a
-thousand simulated ranks (two thousand connections) take minutes to set up; a cluster connects once per rank.
+Connecting is timed apart: on a loaded machine one local TCP connect in about thirty can take 5 s, so a thousand
+simulated ranks (two thousand connections) take minutes to set up; a cluster connects once per rank.
+
+With `--per-call`, the hot path's side instead: `--world-size` real processes with the gloo backend, each timing
+`--calls` back-to-back asks of `posted_elsewhere()` (once per training micro-batch and at each optimizer step: an
+attribute the rank's listener thread sets, no call to the store), against an `all_reduce` of one int64 (what a
+watcher that agreed through a collective would pay per micro-batch); the slowest rank's mean and median per call.
+
+    python benchmarks/agreement.py --per-call            # 2 processes, 1000 calls each
+    python benchmarks/agreement.py --per-call --calls 5000 --world-size 4
 """
 
 from __future__ import annotations
@@ -32,6 +41,7 @@ import concurrent.futures
 import datetime
 import json
 import os
+import socket
 import statistics
 import subprocess
 import sys
@@ -39,12 +49,16 @@ import threading
 import time
 from typing import Any
 
+import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 
-from nanwatch.core import listener as listener_module
-from nanwatch.core.board import DetectionBoard
-from nanwatch.core.listener import BellListener, PolledBell
-from nanwatch.core.ranks import Detection
+# The agreement's internals are what this benchmark measures, and no public API reaches them: the board each rank
+# holds, its listener (swapped for the polled fallback, and back), and a detection to post.
+from nanwatch.core.distributed import listener as listener_module
+from nanwatch.core.distributed.board import DetectionBoard
+from nanwatch.core.distributed.listener import BellListener, PolledBell
+from nanwatch.core.distributed.ranks import Detection
 
 _SERVER = """
 import datetime, sys, torch.distributed as dist
@@ -307,6 +321,66 @@ def choreography_floor(count: int) -> float:
     return max(finished) - began
 
 
+# ---------------------------------------------------------------------------------------- --per-call: gloo ranks
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def _time_calls(call: Any, calls: int) -> list[float]:
+    times = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def _per_call_rank(rank: int, world_size: int, port: int, calls: int, results: Any) -> None:
+    """One gloo process of `--per-call`: its board's `posted_elsewhere()` and an `all_reduce`, each `calls` times."""
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        flag = torch.zeros(1, dtype=torch.int64)
+        board = DetectionBoard.for_model(torch.nn.Linear(1, 1), torch.nn.Linear(1, 1), rank, world_size, wait_s=10.0)
+        assert board is not None
+        for _ in range(100):  # warm-up: connections
+            board.posted_elsewhere()
+        dist.barrier()
+        agree = _time_calls(board.posted_elsewhere, calls)
+        dist.barrier()
+        collective = _time_calls(lambda: dist.all_reduce(flag, op=dist.ReduceOp.MIN), calls)
+        results[rank] = (agree, collective)
+        board.close()
+    finally:
+        dist.destroy_process_group()
+
+
+def per_call(calls: int, world_size: int) -> None:
+    """`--per-call`: what a rank's hot path asks, per call, on `world_size` gloo processes, against a collective."""
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(_per_call_rank, args=(world_size, _free_port(), calls, results), nprocs=world_size)
+        per_rank = dict(results)
+
+    def figures(index: int) -> tuple[float, float]:
+        means = [statistics.fmean(per_rank[r][index]) * 1e6 for r in per_rank]
+        medians = [statistics.median(per_rank[r][index]) * 1e6 for r in per_rank]
+        return max(means), max(medians)
+
+    agree_mean, agree_median = figures(0)
+    collective_mean, collective_median = figures(1)
+    print(f"{world_size} gloo processes on the CPU, {calls} calls each (torch {torch.__version__})")
+    print(f"posted_elsewhere():            mean {agree_mean:.2f} us, median {agree_median:.2f} us per call")
+    print(f"all_reduce of one int64:       mean {collective_mean:.0f} us, median {collective_median:.0f} us per call")
+
+
 def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
         port, world, first, count = (int(word) for word in sys.argv[2:6])
@@ -315,7 +389,19 @@ def main() -> int:
     parser.add_argument("--ranks", type=int, nargs="+", default=[16, 64, 256])
     parser.add_argument("--processes", type=int, default=1, help="spread the ranks over this many worker processes")
     parser.add_argument("--output", default=None, help="write the figures as JSON here")
+    parser.add_argument(
+        "--per-call",
+        action="store_true",
+        help="instead: time what the hot path asks per call on --world-size gloo processes, against an all_reduce",
+    )
+    parser.add_argument("--calls", type=int, default=1000, help="with --per-call: calls timed on each process")
+    parser.add_argument("--world-size", type=int, default=2, help="with --per-call: gloo processes")
     args = parser.parse_args()
+    if args.per_call:
+        if args.calls < 1 or args.world_size < 1:
+            parser.error(f"--calls and --world-size must be positive, got {args.calls}, {args.world_size}")
+        per_call(args.calls, args.world_size)
+        return 0
     server = subprocess.Popen([sys.executable, "-c", _SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert server.stdout is not None
     port = int(server.stdout.readline())

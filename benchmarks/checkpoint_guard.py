@@ -1,5 +1,5 @@
 """What the checkpoint guard costs against the save it guards: the fused finiteness check of the weights and the
-optimizer state (core/stats/finite.py) vs `torch.save` of the same state to disk, on the CPU.
+optimizer state vs `torch.save` of the same state to disk, on the CPU.
 
 Models: the GPT-2 of benchmarks/overhead.py (4 layers, 256 wide: 5.1 M parameters, 21 MB) and one 8 times larger
 (8 layers, 512 wide), each with AdamW's state after one step (weights + two moments: three times the weights).
@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
+# The guard's check alone, timed apart from the save it guards: the public API runs the two together.
 from nanwatch.core.stats.finite import non_finite_tensors
 
 

@@ -39,20 +39,13 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
+from _shared import BATCH, CALLS, PAIRS, HookStash, dispatch_step, shares_its_model
 from torch import nn
 
 import nanwatch
-from nanwatch.adapters import _handles
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from overhead import HookStash  # noqa: E402  (the same stash the overhead benchmark shares its model with)
-
-PAIRS, BATCH = 1000, 2
-CALLS = 2 * PAIRS + 1  # every Linear and Tanh, and the Sequential around them
 
 
 class Variant:
@@ -149,7 +142,7 @@ class Watch(Variant):
         if self.stash is None:
             self.stash = HookStash(model, optimizer)
             self.handle = self.stash.capture(lambda: nanwatch.watch(model, optimizer=optimizer))
-            _handles.let_go(self.handle)  # the other variants' steps must not close it as a handle left behind
+            shares_its_model(self.handle)  # the other variants' steps must not close it as a handle left behind
         else:
             self.stash.put_back()
 
@@ -174,17 +167,6 @@ VARIANTS: list[type[Variant]] = [
     CopyOutput,
     Watch,
 ]
-
-
-def dispatch_step() -> tuple[nn.Sequential, torch.Tensor, torch.optim.Optimizer]:
-    """The dispatch-bound step: the model, its batch and its optimizer (also benchmarks/step_parts.py's)."""
-    torch.manual_seed(0)
-    layers: list[nn.Module] = []
-    for _ in range(PAIRS):
-        layers += [nn.Linear(4, 4), nn.Tanh()]
-    model = nn.Sequential(*layers)
-    inputs = torch.randn(BATCH, 4)
-    return model, inputs, torch.optim.SGD(model.parameters(), lr=1e-5, foreach=True)
 
 
 def train_step(model: nn.Sequential, inputs: torch.Tensor, optimizer: torch.optim.Optimizer) -> None:

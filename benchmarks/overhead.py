@@ -24,7 +24,6 @@ that position (for the others: the median). Ratios are costs over the cost of `n
     python benchmarks/overhead.py                                  # none / watch / hf, about 3 minutes on 2 cores
     python benchmarks/overhead.py --watch-gradients --modes train  # the same, with a config option
     python benchmarks/overhead.py --each-option                    # every option of OPTIONS, about 12 minutes
-    python benchmarks/overhead.py --floor --no-hf                  # what one read-only pass per tensor costs
     python benchmarks/overhead.py --scaler --modes train           # through a GradScaler: AMP awareness
     python benchmarks/overhead.py --rounds 60 --output /tmp/overhead.json
     python benchmarks/overhead.py --dispatch --no-sentinel   # 1,000 tiny layers: the hooks' cost per call
@@ -49,25 +48,22 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+from _shared import HookStash, shares_its_model
 
 import nanwatch
-from nanwatch.adapters import _handles
-from nanwatch.adapters._common import guard_optimizers
+
+# Beyond the public API, what this benchmark needs and a user never does: the options of nanwatch's command-line tools
+# (one per WatchConfig field: the watched variant's config), what sentinel mode keeps alive (the "kept MB" column),
+# and the guard alone (a watcher with no module hook, the check before each optimizer step), which no config builds.
+from nanwatch.adapters._hooks import guard_optimizers
 from nanwatch.cli.options import add_config_arguments, config_from_args
 from nanwatch.core.features.sentinel import SentinelFeature
-from nanwatch.core.log import get_logger
-from nanwatch.core.stats import cache as caching
-from nanwatch.core.stats import measure as measuring
 from nanwatch.core.watcher import Watcher
-
-# The lead statistic's kernel, as measure() and the cache's fast path launch it (each module binds it); --floor swaps
-# it in both around its own variant's steps.
-SHIPPED_RANGE = measuring._RANGE
 
 # Targets of the design: watch/none per mode, and watch's added time over the tool's added time.
 TARGETS = {"train": 1.05, "infer": 1.10, "added_vs_hf": 0.25}
@@ -115,12 +111,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--gc-pause-too",
         action="store_true",
         help="also time watch with pause_gc flipped (on by default): what pausing the garbage collector saves",
-    )
-    parser.add_argument(
-        "--floor",
-        action="store_true",
-        help="also time an experiment: watch with one read-only aminmax per tensor instead of abs + aminmax "
-        "(exact abs max, NOT an exact abs min), the least a pass over every tensor costs",
     )
     parser.add_argument(
         "--scaler",
@@ -329,48 +319,6 @@ def build_model(vocab: int, seq: int, seed: int) -> torch.nn.Module:
     return GPT2LMHeadModel(config)
 
 
-class HookStash:
-    """The hooks a tool put on a model, taken off and put back, so several tools can share one model.
-
-    `capture(setup)` runs `setup()` (which registers the tool's hooks) and notes every hook that appeared in a hook
-    dict of a module or parameter; `take_off()` removes exactly those, `put_back()` reinserts them under the same
-    keys (so the tool's own handles can still remove them), in the same order. The optimizer's step hooks
-    (`watch(..., optimizer=)`) count too.
-    """
-
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        self._owners: list[object] = [*model.modules(), *model.parameters(), optimizer]
-        self._hooks: list[tuple[dict[int, Any], int, Any]] = []
-        # The model's classes: a tool that changed one would change every variant's step, `none` included.
-        self._classes = {type(module) for module in model.modules()}
-
-    def _hook_dicts(self) -> Iterator[tuple[object, str, dict[int, Any]]]:
-        for owner in self._owners:
-            for name, value in vars(owner).items():
-                if "hooks" in name and isinstance(value, dict):
-                    yield owner, name, value
-
-    def capture(self, setup: Callable[[], Any]) -> Any:
-        before = {(id(owner), name): set(hooks) for owner, name, hooks in self._hook_dicts()}
-        classes_before = {kind: dict(vars(kind)) for kind in self._classes}
-        result = setup()
-        for owner, name, hooks in self._hook_dicts():
-            known = before.get((id(owner), name), set())
-            self._hooks.extend((hooks, key, hook) for key, hook in hooks.items() if key not in known)
-        changed = [kind.__name__ for kind, attributes in classes_before.items() if dict(vars(kind)) != attributes]
-        if changed:
-            raise RuntimeError(f"a watcher changed the model's classes ({', '.join(changed)}): the figures would lie")
-        return result
-
-    def take_off(self) -> None:
-        for hooks, key, _hook in self._hooks:
-            hooks.pop(key, None)
-
-    def put_back(self) -> None:
-        for hooks, key, hook in self._hooks:
-            hooks[key] = hook
-
-
 class Variant:
     """One way of watching the shared model: its hooks, its handle, its step times by position in its period."""
 
@@ -413,8 +361,8 @@ class Variant:
         self.stash.take_off()
         if isinstance(self.handle, nanwatch.WatchHandle):
             # Several handles share this one model on purpose, each with its hooks on only around its own steps:
-            # the next watch() must not close this one as a handle left behind (adapters/_handles.py).
-            _handles.let_go(self.handle)
+            # the next watch() must not close this one as a handle left behind.
+            shares_its_model(self.handle)
 
     def close(self) -> None:
         # nanwatch removes its own hooks (put back first, so its handles find them); transformers' tool cannot
@@ -436,7 +384,7 @@ class Variant:
             watcher = self.handle.watcher
             if watcher.disabled_reason is not None:
                 found.append(f"{self.name}: nanwatch stopped watching: {watcher.disabled_reason}")
-            if watcher.batch_number == 0 and watcher.eval_batch_number == 0:
+            if watcher.counters.batch_number == 0 and watcher.counters.eval_batch_number == 0:
                 found.append(f"{self.name}: nanwatch counted no batch")
         if self.hf is not None and (self.hf.detected_overflow or self.hf.batch_number == 0):
             found.append(f"{self.name}: transformers' DebugUnderflowOverflow saw inf/nan or no batch")
@@ -502,8 +450,6 @@ class Bench:
     def step(self, variant: Variant, mode: str) -> float:
         if variant.stash is not None:
             variant.stash.put_back()
-        if variant.name == FLOOR:  # --floor: this variant's own kernel, swapped in around its steps only
-            measuring._RANGE = caching._RANGE = _read_only_range  # type: ignore[assignment]
         try:
             self._sync()
             if self.device.type == "cuda":
@@ -519,7 +465,6 @@ class Bench:
                 peak = torch.cuda.max_memory_allocated(self.device)
                 variant.peak_bytes[mode] = max(variant.peak_bytes.get(mode, 0), peak)
         finally:
-            measuring._RANGE = caching._RANGE = SHIPPED_RANGE  # type: ignore[assignment]
             if variant.stash is not None:
                 variant.stash.take_off()
         variant.steps_taken[mode] += 1
@@ -659,19 +604,9 @@ def print_mode(mode: str, results: dict[str, Any], variants: list[Variant], show
     print(f"other processes used {busy:.2f} cores meanwhile{note}")
 
 
-FLOOR = "floor (inexact)"
 SENTINEL = "sentinel"
 GUARD = "guard alone"
 NO_SCALER = "watch, no scaler="
-
-
-def _read_only_range(data: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One read-only pass: min and max of the raw values. abs max = max(-min, max) exactly; the abs min is right only
-    when all values have one sign. An experiment for --floor, never what nanwatch does."""
-    if not data.dtype.is_floating_point:
-        return SHIPPED_RANGE(data)
-    low, high = torch.aminmax(data)
-    return low.abs(), torch.maximum(low.neg(), high)
 
 
 def make_variants(args: argparse.Namespace, mode: str) -> list[Variant]:
@@ -687,8 +622,6 @@ def make_variants(args: argparse.Namespace, mode: str) -> list[Variant]:
             names.append(Variant(GUARD, config, _period(config)))
     if not args.no_hf:
         names.append(Variant("hf", None))
-    if args.floor:
-        names.append(Variant(FLOOR, config, _period(config)))
     if args.gc_pause_too:
         flipped = config.with_overrides(pause_gc=not config.pause_gc)
         names.append(Variant(f"watch, pause_gc={flipped.pause_gc}", flipped, _period(flipped)))
@@ -735,12 +668,14 @@ def main(argv: list[str] | None = None) -> int:
         f"transformers {transformers.__version__}, nanwatch {nanwatch.__version__}; watch config {shown_config}"
         + ("; every training step through a GradScaler, given to nanwatch" if args.scaler else "")
     )
-    # Summaries, headroom notes and the like go to the nanwatch logger: kept (their cost is part of the figures) but
-    # collected here rather than printed between the tables.
+    # Summaries, headroom notes and the like go to the `nanwatch` logger: kept (their cost is part of the figures) but
+    # collected here rather than printed between the tables. A logger with a handler of its own is left as it is.
     logs = io.StringIO()
-    logger = get_logger()  # as nanwatch sets it up (level INFO), before its handler is swapped
-    saved_handlers = logger.handlers[:]
-    logger.handlers = [logging.StreamHandler(logs)]
+    logger = logging.getLogger("nanwatch")
+    saved_handlers, saved_level, saved_propagate = logger.handlers[:], logger.level, logger.propagate
+    logger.handlers, logger.propagate = [logging.StreamHandler(logs)], False
+    if logger.level == logging.NOTSET:
+        logger.setLevel(logging.INFO)  # nanwatch's own level for its logger
     results: dict[str, Any] = {}
     problems: list[str] = []
     per_mode: dict[str, list[Variant]] = {}
@@ -757,7 +692,8 @@ def main(argv: list[str] | None = None) -> int:
                 for variant in variants:
                     variant.close()
     finally:
-        logger.handlers = saved_handlers
+        logger.handlers, logger.propagate = saved_handlers, saved_propagate
+        logger.setLevel(saved_level)
     if problems:
         raise SystemExit("benchmark invalid: " + "; ".join(problems))
     for mode, mode_results in results.items():
