@@ -151,7 +151,7 @@ def test_eval_forwards_are_not_counted_unless_asked(watch_eval: bool) -> None:
         model(x)
     assert tracker.batch_number == 3  # the eval forwards neither counted nor checked
     assert tracker.watcher is not None
-    assert tracker.watcher.eval_batch_number == 0
+    assert tracker.watcher.counters.eval_batch_number == 0
     tracker.detach()
     assert hooks_left(model, optimizer) == []
 

@@ -153,8 +153,8 @@ def test_an_overflow_on_a_step_the_scaler_skips_is_recorded_and_training_goes_on
     assert [o.skipped for o in loss_scale(watcher).overflows] == [True] * accumulation
     assert loss_scale(watcher).overflows[0].report.module_name == ""  # the root Linear's bias gradient
     # A plain optimizer's step never runs on a skipped step; a fused one runs (and applies nothing).
-    assert watcher.optimizer_step == (3 if fused_adam else 2)
-    assert watcher.batch_number == 3 * accumulation - 1  # the last micro-batch ended at detach
+    assert watcher.counters.optimizer_step == (3 if fused_adam else 2)
+    assert watcher.counters.batch_number == 3 * accumulation - 1  # the last micro-batch ended at detach
     assert history.to_text().startswith(
         f"Loss scale (GradScaler): {int(init_scale)} at batch 0 -> {int(init_scale // 2)} at batch "
         f"{last_of_first_window}; 1 skipped step"
@@ -183,7 +183,7 @@ def test_the_scale_falling_below_the_floor_stops_the_run_with_the_report_on_disk
     # Raised from micro-batch 3's forward, which ends micro-batch 2; no step ever ran and the hooks are gone.
     assert tracker.watcher is not None
     assert not tracker.watcher.attached
-    assert tracker.watcher.optimizer_step == 0
+    assert tracker.watcher.counters.optimizer_step == 0
 
 
 def test_a_nan_loss_given_to_watch_loss_stops_the_run_under_a_scaler() -> None:

@@ -223,7 +223,7 @@ def test_batch_number_advances_only_with_step() -> None:
         with torch.no_grad():
             model(torch.randn(2, 4))
         assert handle.batch_number == 1
-        assert handle.watcher.eval_batch_number == 1
+        assert handle.watcher.counters.eval_batch_number == 1
         model.train()
         model(torch.randn(2, 4))
         handle.step()
@@ -395,7 +395,7 @@ def test_eval_forwards_are_not_recorded_by_default() -> None:
         for _ in range(3):
             model(torch.randn(2, 4))  # inf, but eval is not watched
         assert handle.watcher.recent_frames() == []
-        assert handle.watcher.eval_batch_number == 0
+        assert handle.watcher.counters.eval_batch_number == 0
         assert handle.batch_number == 0
 
 
@@ -407,7 +407,7 @@ def test_eval_forwards_are_checked_and_counted_apart_with_watch_eval(tmp_path: P
         model.eval()
         with torch.no_grad():
             model(torch.randn(2, 4))
-            assert handle.watcher.eval_batch_number == 1
+            assert handle.watcher.counters.eval_batch_number == 1
             model[2].factor = math.inf
             with pytest.raises(NonFiniteError) as info:
                 model(torch.randn(2, 4))  # raised as the eval forward returns: nobody calls step() in eval
@@ -670,7 +670,7 @@ def test_nested_tensors_in_an_eval_transformer_encoder() -> None:
         assert all(e.abs_max is not None and math.isfinite(e.abs_max) for e in linear.entries)
         nested = [e for e in linear.entries if e.label in ("input[0]", "output")]
         assert [e.shape for e in nested] == [None, None]  # nested tensors: measured, with no single shape
-        assert handle.watcher.eval_batch_number == 1
+        assert handle.watcher.counters.eval_batch_number == 1
 
 
 def test_a_model_built_and_run_under_inference_mode() -> None:
@@ -911,4 +911,4 @@ def test_a_subclassed_optimizer_whose_step_calls_super_is_checked_and_counted_on
             optimizer.step()
             handle.step()
         assert Logged.calls == 3
-        assert handle.watcher.optimizer_step == 3
+        assert handle.watcher.counters.optimizer_step == 3

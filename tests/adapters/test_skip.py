@@ -48,7 +48,7 @@ def _plain_run(report_dir: Path, inf_at: set[int], count: int = 6, **config: Any
             weights.append(snapshot(model))
             adam_steps.append(int(optimizer.state[model[0].weight]["step"]) if optimizer.state else 0)
         skipped = handle.skipped
-        optimizer_step = handle.watcher.optimizer_step
+        optimizer_step = handle.watcher.counters.optimizer_step
     return {"weights": weights, "adam_steps": adam_steps, "skipped": skipped, "optimizer_step": optimizer_step}
 
 
@@ -250,7 +250,7 @@ def test_accelerate_skips_the_step_and_goes_on(tmp_path: Path) -> None:
     listed = _skip_list(tmp_path)
     assert [entry["batch_number"] for entry in listed] == [3]
     assert tracker.watcher is not None
-    assert tracker.watcher.batch_number == 7, "counted on: the last micro-batch (7) ends at the next forward"
+    assert tracker.watcher.counters.batch_number == 7, "counted on: the last micro-batch (7) ends at the next forward"
 
 
 # ------------------------------------------------------------------------------------------ the HF Trainer

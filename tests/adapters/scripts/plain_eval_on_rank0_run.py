@@ -52,7 +52,7 @@ def main() -> int:
     record = {
         "rank": rank,
         "batch_number": handle.batch_number,
-        "eval_batch_number": handle.watcher.eval_batch_number,
+        "eval_batch_number": handle.watcher.counters.eval_batch_number,
     }
     return finish_rank(options.out, rank, record, None)
 
