@@ -16,6 +16,7 @@ __all__ = [
     "PlotError",
     "StepsSkippedInARow",
     "ReplayError",
+    "CapsuleError",
 ]
 
 
@@ -37,6 +38,11 @@ class JsonlError(NanwatchError, ValueError):
 
 class ReplayError(NanwatchError, ValueError):
     """A replay file or the model it is replayed on is not usable; the message says what is wrong."""
+
+
+class CapsuleError(NanwatchError, ValueError):
+    """A repro capsule cannot be written or read: not a capsule, of a newer format, its module's class does not
+    import, or the module cannot be saved; the message says which, in one line."""
 
 
 class PlotError(NanwatchError, ValueError):

@@ -211,6 +211,7 @@ USED = {
     "plot": {"include_modules", "exclude_modules", "target_dtype", "headroom_warn_fraction"},
     "doctor": {"report_dir"},
     "replay": {"max_frames_to_save", "report_dir"},
+    "repro": set(),
     "config": set(),
 }
 

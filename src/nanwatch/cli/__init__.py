@@ -5,8 +5,8 @@ pydantic, no torch), `nanwatch show FILE` imports `show` alone. Errors are one l
 
 Exit status, for every command: 0 when it did what it was asked, 2 for bad input of any kind (an option, a config, a
 file), 3 when nanwatch itself failed (a bug), 130 when interrupted. 1 means something of its own to each command
-(`diff`: the two diverge; `replay`: the replay differs from the original; `doctor`: a check failed; `demo`: no
-inf/nan within --steps); `show`, `plot` and `config` never exit 1.
+(`diff`: the two diverge; `replay`: the replay differs from the original; `repro`: the last run is not finite;
+`doctor`: a check failed; `demo`: no inf/nan within --steps); `show`, `plot` and `config` never exit 1.
 """
 
 from __future__ import annotations
@@ -41,6 +41,10 @@ COMMANDS: dict[str, Command] = {
     "plot": Command("nanwatch.cli.plot", "draw abs max per module per batch: a heatmap, or lines near the dtype's max"),
     "replay": Command(
         "nanwatch.cli.replay", "run the forward that went inf/nan again from its replay file, every module traced"
+    ),
+    "repro": Command(
+        "nanwatch.cli.repro",
+        "run the module that went inf/nan again alone, from its capsule, in another dtype or backend",
     ),
     "doctor": Command("nanwatch.cli.doctor", "check that the processes of a distributed job can reach each other"),
 }
