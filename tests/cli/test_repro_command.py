@@ -53,7 +53,13 @@ def capsules(tmp_path_factory: pytest.TempPathFactory) -> Capsules:
     linear, gpt2, mlp = linear_case(), gpt2_block_case(), mlp_case()
     compiled = torch.compile(mlp.module, backend="aot_eager")  # the capsule keeps the module, and the backend
     return Capsules(
-        linear=_write(folder / "linear" / capsule_file_name(0, 7), linear.module, linear.args, linear.kwargs),
+        linear=_write(
+            folder / "linear" / capsule_file_name(0, 7),
+            linear.module,
+            linear.args,
+            linear.kwargs,
+            note="cause: precision",
+        ),
         gpt2=_write(folder / "gpt2" / capsule_file_name(0, 7), gpt2.module, gpt2.args, gpt2.kwargs, module_name="h.0"),
         compiled=_write(
             folder / "compiled" / capsule_file_name(1, 3),
@@ -97,11 +103,12 @@ def test_a_linear_overflows_in_float16_and_not_in_float32(capsules: Capsules) ->
     recorded = "as recorded: float16, autocast off, eager, on cpu: not finite (8 inf, 0 nan of 8 values), abs max inf"
     result = _repro(capsules.linear)
     assert (result.returncode, result.stderr) == (1, "")
-    assert _lines(result) == [header, recorded]
+    assert _lines(result) == [header, "note: cause: precision", recorded]
     result = _repro(capsules.linear, "--dtype", "float32")
     assert (result.returncode, result.stderr) == (0, "")
     assert _lines(result) == [
         header,
+        "note: cause: precision",
         recorded,
         "requested: float32, autocast off, eager, on cpu: finite (8 values), abs max 8.00e+04",
     ]

@@ -49,6 +49,8 @@ def _run(args: argparse.Namespace) -> int:
             f"nanwatch repro of {name} ({capsule.module_class}), batch {capsule.batch_number} on rank {capsule.rank}, "
             f"from {path}"
         )
+        if capsule.note:
+            print(f"note: {capsule.note}")
         for line in capsule.dropped:
             print(f"left out of the capsule: {line}")
         where = run_device(capsule)
