@@ -32,6 +32,7 @@ TOP_LEVEL = {
     "enable_full_determinism",
     "main_process_first",
     "set_seed",
+    "verify_checkpoint",
     "watch",
 }
 

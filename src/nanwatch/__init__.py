@@ -18,6 +18,7 @@ from nanwatch._version import __version__
 if TYPE_CHECKING:
     from nanwatch.adapters.plain import WatchHandle, watch
     from nanwatch.core.config import WatchConfig
+    from nanwatch.core.features.checkpoint_load import verify_checkpoint
     from nanwatch.core.report import Report
     from nanwatch.dropin import DebugUnderflowOverflow, detect_overflow
     from nanwatch.errors import (
@@ -50,6 +51,7 @@ __all__ = [
     "enable_full_determinism",
     "main_process_first",
     "set_seed",
+    "verify_checkpoint",
     "watch",
 ]
 
@@ -72,6 +74,7 @@ _HOMES = {
     "enable_full_determinism": "nanwatch.repro",
     "main_process_first": "nanwatch.repro",
     "set_seed": "nanwatch.repro",
+    "verify_checkpoint": "nanwatch.core.features.checkpoint_load",
 }
 
 

@@ -6,6 +6,7 @@ from typing import Any
 
 __all__ = [
     "BatchLimitReached",
+    "CheckpointReadError",
     "ConfigError",
     "JsonlError",
     "LossScaleBelowFloor",
@@ -43,6 +44,11 @@ class ReplayError(NanwatchError, ValueError):
 class CapsuleError(NanwatchError, ValueError):
     """A repro capsule cannot be written or read: not a capsule, of a newer format, its module's class does not
     import, or the module cannot be saved; the message says which, in one line."""
+
+
+class CheckpointReadError(NanwatchError, ValueError):
+    """A file or folder given as a checkpoint cannot be read as one: not a torch or safetensors file, a folder with no
+    checkpoint file, a file that `weights_only=True` refuses; the message says which, in one line."""
 
 
 class PlotError(NanwatchError, ValueError):
@@ -144,10 +150,11 @@ class StepsSkippedInARow(NonFiniteError):
 
 
 class NonFiniteCheckpoint(NanwatchError, ValueError):
-    """A checkpoint about to be written holds inf/nan: it was not written under the name it was to have.
+    """A checkpoint holds inf/nan. One about to be written was not written under the name it was to have; one read
+    back (`nanwatch.verify_checkpoint`, an adapter's resume) is refused before it is trained on.
 
     Attributes:
-        path: where the checkpoint was to be written.
+        path: where the checkpoint was to be written, or where it was read from.
         non_finite: `(where, "inf" | "nan")` for each tensor that is not finite (where: `state_dict.fc.weight`).
         quarantine_path: where it was written aside instead (`checkpoint_guard="quarantine"`), else None.
         last_good: `(path, optimizer step)` of the last checkpoint this run verified finite, the one to resume from;

@@ -26,6 +26,7 @@ from nanwatch.adapters.accelerate._accelerator import (
     to_trackers,
     watch_loss_of,
 )
+from nanwatch.adapters.accelerate._resume import guard_accelerate_loads
 from nanwatch.core.config import resolve_config
 from nanwatch.core.contract import AdapterContract
 from nanwatch.core.watcher import Watcher
@@ -138,6 +139,8 @@ class OverflowTracker(UserHandle, GeneralTracker):  # type: ignore[misc]
         self.watcher = watcher
         self._batch_open = False
         guard_accelerate_saves(watcher, accelerator)  # save_state() checks first, until detach()
+        if self.config.checkpoint_guard != "off":
+            guard_accelerate_loads(watcher, accelerator)  # load_state() checks the folder before it loads any of it
         return self
 
     def detach(self) -> None:

@@ -18,6 +18,7 @@ import torch
 from nanwatch.adapters._checks import ConfigLike, optional_base, require, unwrap_model
 from nanwatch.adapters._hooks import add_phase_hook, guard_optimizers, stop_on_error
 from nanwatch.adapters._scaler import follow_scaler
+from nanwatch.adapters.hf_trainer._resume import verify_resumed
 from nanwatch.adapters.hf_trainer._trainer import (
     HeldForLog,
     close_when_forward_raises,
@@ -27,6 +28,7 @@ from nanwatch.adapters.hf_trainer._trainer import (
 )
 from nanwatch.core.config import resolve_config
 from nanwatch.core.contract import AdapterContract
+from nanwatch.core.features.checkpoint_load import ModelMasks
 from nanwatch.core.readouts import LossScaleHistory
 from nanwatch.core.watcher import Watcher
 
@@ -66,6 +68,13 @@ class OverflowTrainerCallback(TrainerCallback):  # type: ignore[misc,unused-igno
         self.watcher: AdapterContract | None = None
         self._summary = HeldForLog()  # due, waiting for the Trainer's next log event
         self.loss_scale: LossScaleHistory | None = None
+        self._masks: ModelMasks | None = None  # the model's buffers as the Trainer was built (see on_init_end)
+
+    def on_init_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+        # The model as built, before any checkpoint is loaded into it: its buffers that hold -inf are masks.
+        model = kwargs.get("model")
+        if isinstance(model, torch.nn.Module) and self.config.checkpoint_guard != "off":
+            self._masks = ModelMasks([unwrap_model(model)])
 
     def on_train_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
@@ -77,6 +86,8 @@ class OverflowTrainerCallback(TrainerCallback):  # type: ignore[misc,unused-igno
             )
         self.close()  # hooks left by an earlier train() that raised something other than our own error
         root = unwrap_model(model)
+        if self.config.checkpoint_guard != "off":  # what train(resume_from_checkpoint=...) loaded, before a step
+            verify_resumed(args, state, root, kwargs.get("optimizer"), self._masks)
         # Rank and world size come from torch.distributed (as args.process_index does): its default group carries
         # the agreement all-reduce.
         watcher: AdapterContract = Watcher(root, self.config)

@@ -13,9 +13,11 @@ from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
 
+from nanwatch.adapters._checkpoints import WrappedOnInstance
 from nanwatch.adapters._checks import ConfigLike, optional_base, require
 from nanwatch.adapters._hooks import close_after, guard_optimizers, warn_if_steps_unguarded
 from nanwatch.adapters._scaler import follow_scaler
+from nanwatch.adapters.lightning._resume import refuse_poisoned_resume
 from nanwatch.adapters.lightning._trainer import guard_lightning_saves, to_loggers
 from nanwatch.core.config import resolve_config
 from nanwatch.core.contract import AdapterContract
@@ -55,6 +57,7 @@ class OverflowCallback(Callback):
         self.config = resolve_config(config, **overrides)
         self.watcher: AdapterContract | None = None  # while a fit (or a watched validate/test) runs
         self._counters: dict[str, Any] | None = None  # kept between fits, restored from checkpoints
+        self._resume_check: WrappedOnInstance | None = None  # from setup() of a fit to its teardown
 
     def _start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.watcher is not None:
@@ -91,6 +94,16 @@ class OverflowCallback(Callback):
             watcher, self.watcher = self.watcher, None
             watcher.close(check=check)
 
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        # Before Lightning reads `ckpt_path`: the checkpoint a fit resumes from is checked as it is read.
+        if stage == "fit" and self.config.checkpoint_guard != "off" and self._resume_check is None:
+            self._resume_check = refuse_poisoned_resume(trainer, pl_module)
+
+    def _stop_resume_check(self) -> None:
+        check, self._resume_check = self._resume_check, None
+        if check is not None:
+            check.remove()
+
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._start(trainer, pl_module)
 
@@ -101,11 +114,13 @@ class OverflowCallback(Callback):
     on_test_start = on_validation_start
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._stop_resume_check()
         self._stop()
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         # Lightning re-raises `exception` after this hook; nothing here may replace or hide it. The user's own error
         # may come from an inf/nan we saw: check what is pending (no collective) and publish it.
+        self._stop_resume_check()
         check = not isinstance(exception, NonFiniteError)
         close_after(exception, lambda: self._stop(check=check), get_logger(), "check the last batch")
 

@@ -85,8 +85,9 @@ def non_finite_tensors(state: Any, known: KnownKinds | None = None) -> tuple[lis
             by_kind.setdefault((tensor.device, tensor.dtype), []).append(tensor)
         else:
             flags.setdefault(tensor.device, []).append(~_new_non_finite(tensor, expected).any())
-    for (device, _), tensors in by_kind.items():
-        norms = torch._foreach_norm(tensors, 2.0, dtype=torch.float32)
+    for (device, dtype), tensors in by_kind.items():
+        # Accumulated in float32, float64 in its own (torch norms no float64 tensor into float32).
+        norms = torch._foreach_norm(tensors, 2.0, dtype=torch.float64 if dtype == torch.float64 else torch.float32)
         flags.setdefault(device, []).append(torch.isfinite(torch.stack(norms)).all())
     # One host read per device (one in all on a single-device rank).
     if all(bool(torch.stack(device_flags).all()) for device_flags in flags.values()):
