@@ -84,13 +84,17 @@ def check_model(model: object, caller: str) -> torch.nn.Module:
 
 
 def check_skip(config: WatchConfig, optimizers: list[Any], caller: str, fix: str) -> None:
-    """A one-line `ConfigError` when `on_detect="skip"` has no optimizer to skip: it skips the step a detection
-    reaches, and without a guarded optimizer there is none (it would raise at the first detection instead)."""
-    if config.on_detect == "skip" and not optimizers:
-        raise ConfigError(
-            f"nanwatch: on_detect='skip' skips the optimizer step of a micro-batch that holds inf/nan, and {caller} "
-            f"has no optimizer whose steps it can skip: {fix}"
-        )
+    """A one-line `ConfigError` when `on_detect="skip"` (or `"rewind"`) has no optimizer to skip: it acts at the
+    step a detection reaches, and without a guarded optimizer there is none (it would raise at the first detection
+    instead). `fix` says how to pass one, with `on_detect='skip'`: said with the config's own value."""
+    if config.on_detect == "raise" or optimizers:
+        return
+    what = "skips" if config.on_detect == "skip" else "rewinds at"
+    fix = fix.replace("on_detect='skip'", f"on_detect={config.on_detect!r}")
+    raise ConfigError(
+        f"nanwatch: on_detect={config.on_detect!r} {what} the optimizer step of a micro-batch that holds inf/nan, and "
+        f"{caller} has no optimizer whose steps it can skip: {fix}"
+    )
 
 
 def real_optimizer(optimizer: Any) -> torch.optim.Optimizer:

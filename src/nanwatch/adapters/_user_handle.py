@@ -12,6 +12,7 @@ import torch
 
 from nanwatch.adapters._checkpoints import save_checked
 from nanwatch.core.contract import AdapterContract
+from nanwatch.core.rewinds import Rewind
 
 __all__ = ["UserHandle"]
 
@@ -44,6 +45,12 @@ class UserHandle:
     def skipped(self) -> list[dict[str, object]]:
         """Under `on_detect="skip"`: the micro-batches whose optimizer step was skipped (report_dir/skipped.jsonl)."""
         return [] if self.watcher is None else self.watcher.skipped
+
+    @property
+    def rewinds(self) -> list[Rewind]:
+        """Under `on_detect="rewind"`: each rewind, oldest first (`batch_number`, the checkpoint's `path` and
+        `optimizer_step`, what was `restored`; report_dir/rewinds.jsonl)."""
+        return [] if self.watcher is None else self.watcher.rewinds
 
     def watch_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """Record a loss computed outside the model as a frame of its own (module `(loss)`); returns `loss`:

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from nanwatch.core.frames import Frame
     from nanwatch.core.readouts import GradScalerLike, LossScaleHistory, Readout, Summary
     from nanwatch.core.report import Report
+    from nanwatch.core.rewinds import Restorer, Rewind, RewindPoint
 
 __all__ = ["KEEP", "AdapterContract"]
 
@@ -144,6 +145,18 @@ class AdapterContract(EngineState, Protocol):
     def skipped(self) -> list[dict[str, object]]:
         """Under `on_detect="skip"`: each micro-batch whose optimizer step was skipped, as `report_dir/skipped.jsonl`
         lists them (`batch_number`, `rank`, `optimizer_step`, `epoch`, `skipped_in_a_row`), oldest first."""
+
+    def restore_with(self, restorer: Restorer) -> None:
+        """Under `on_detect="rewind"`: how this adapter puts a certified checkpoint back into its live objects, in
+        place (core/rewinds.py); nothing otherwise."""
+
+    def note_rewind_point(self, point: RewindPoint) -> None:
+        """A checkpoint verified finite (`verify_checkpoint`) is now written: under `on_detect="rewind"` the one a
+        rewind restores from now on, on every rank (announced through the store); nothing otherwise."""
+
+    @property
+    def rewinds(self) -> list[Rewind]:
+        """Under `on_detect="rewind"`: each rewind made, oldest first (`report_dir/rewinds.jsonl`)."""
 
     # ------------------------------------------------------------------------------------- counters, state
 

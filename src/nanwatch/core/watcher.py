@@ -39,6 +39,7 @@ from nanwatch.core.frames import ResolvedFrame, resolve
 from nanwatch.core.log import get_logger, warn
 from nanwatch.core.readouts import GradScalerLike, Summary, checked_scaler
 from nanwatch.core.report import Report
+from nanwatch.core.rewinds import Restorer, Rewind, RewindPoint
 from nanwatch.core.scope import select_modules
 from nanwatch.core.torch_glue.compiler import (
     compiled_anything,
@@ -98,7 +99,7 @@ class Watcher(WatcherReads):
         parts = assemble(self, fixed, features_for(config), on_raise=self._micro_batch_raised)
         self._schedule, self._cache, self._counters = parts.schedule, parts.cache, parts.counters
         self._features, self._recorder, self._checker = parts.features, parts.recorder, parts.checker
-        self._publisher, self._arbiter = parts.publisher, parts.arbiter
+        self._publisher, self._arbiter, self._rewinder = parts.publisher, parts.arbiter, parts.rewinder
         self._update_recording()
 
     # ------------------------------------------------------------------------------------ the adapter contract
@@ -307,6 +308,21 @@ class Watcher(WatcherReads):
     def skipped(self) -> list[dict[str, object]]:
         """`AdapterContract.skipped` (core/contract.py)."""
         return list(self._arbiter.skipped)
+
+    def restore_with(self, restorer: Restorer) -> None:
+        """`AdapterContract.restore_with` (core/contract.py)."""
+        if self._rewinder is not None:
+            self._rewinder.restore_with(restorer)
+
+    def note_rewind_point(self, point: RewindPoint) -> None:
+        """`AdapterContract.note_rewind_point` (core/contract.py)."""
+        if self._rewinder is not None:
+            self._rewinder.certified(point)
+
+    @property
+    def rewinds(self) -> list[Rewind]:
+        """`AdapterContract.rewinds` (core/contract.py)."""
+        return [] if self._rewinder is None else list(self._rewinder.rewinds)
 
     def state_dict(self) -> dict[str, Any]:
         return self._counters.state_dict()

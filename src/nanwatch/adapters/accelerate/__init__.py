@@ -27,6 +27,7 @@ from nanwatch.adapters.accelerate._accelerator import (
     watch_loss_of,
 )
 from nanwatch.adapters.accelerate._resume import guard_accelerate_loads
+from nanwatch.adapters.accelerate._rewind import restorer_for
 from nanwatch.core.config import resolve_config
 from nanwatch.core.contract import AdapterContract
 from nanwatch.core.watcher import Watcher
@@ -66,6 +67,7 @@ class OverflowTracker(UserHandle, GeneralTracker):  # type: ignore[misc]
         self.watcher: AdapterContract | None = None
         self._batch_open = False
         self._pending_state: dict[str, Any] | None = None
+        self._keep_counters = False  # while a rewind's load_state() runs: its counters are not rewound
 
     @property
     def tracker(self) -> AdapterContract | None:
@@ -139,6 +141,8 @@ class OverflowTracker(UserHandle, GeneralTracker):  # type: ignore[misc]
         self.watcher = watcher
         self._batch_open = False
         guard_accelerate_saves(watcher, accelerator)  # save_state() checks first, until detach()
+        if self.config.on_detect == "rewind":  # a rewind restores the last of those through load_state()
+            watcher.restore_with(restorer_for(accelerator, self._keeping_counters, self))
         if self.config.checkpoint_guard != "off":
             guard_accelerate_loads(watcher, accelerator)  # load_state() checks the folder before it loads any of it
         return self
@@ -163,13 +167,16 @@ class OverflowTracker(UserHandle, GeneralTracker):  # type: ignore[misc]
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if not state:
+        if not state or self._keep_counters:  # a rewind's load_state(): the run goes on counting
             return
         if self.watcher is None:
             self._pending_state = dict(state)
         else:
             self.watcher.load_state_dict(state)
         self._batch_open = False
+
+    def _keeping_counters(self, keep: bool) -> None:
+        self._keep_counters = keep
 
     def _before_root_forward(self, accelerator: Accelerator, module: torch.nn.Module) -> None:
         watcher = self.watcher

@@ -16,6 +16,7 @@ from nanwatch.adapters._checks import real_optimizer
 from nanwatch.core.contract import AdapterContract
 from nanwatch.core.feature_api import QUARANTINE_FOLDER, WriteAside
 from nanwatch.core.readouts import Summary
+from nanwatch.core.rewinds import RewindPoint
 
 __all__ = ["optimizer_list", "dataloader_epoch", "to_trackers", "watch_loss_of", "guard_accelerate_saves"]
 
@@ -100,7 +101,11 @@ def guard_accelerate_saves(watcher: AdapterContract, accelerator: Any) -> None:
                 lambda: {key: [part.state_dict() for part in parts] for key, parts in state.items()}
             )
             watcher.verify_checkpoint(state, path, write_aside=WriteAside(quarantine, dicts))
-            return save_state(output_dir, *args, **kwargs)
+            written = save_state(output_dir, *args, **kwargs)
+            # Written and verified: under on_detect="rewind", the folder a rewind restores (load_state reads it).
+            where = os.fspath(written) if isinstance(written, (str, os.PathLike)) else path
+            watcher.note_rewind_point(RewindPoint(where, watcher.counters.optimizer_step))
+            return written
 
         return checked_save_state
 

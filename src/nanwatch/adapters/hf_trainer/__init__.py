@@ -31,6 +31,7 @@ from nanwatch.core.contract import AdapterContract
 from nanwatch.core.features.checkpoint_load import ModelMasks
 from nanwatch.core.readouts import LossScaleHistory
 from nanwatch.core.watcher import Watcher
+from nanwatch.errors import ConfigError
 
 _MISSING_TRANSFORMERS: ImportError | None = None
 if TYPE_CHECKING:
@@ -39,6 +40,15 @@ else:  # constructing the callback reports a missing transformers; importing thi
     TrainerCallback, _MISSING_TRANSFORMERS = optional_base("transformers", "TrainerCallback")
 
 __all__ = ["OverflowTrainerCallback"]
+
+# The Trainer loads its checkpoints (weights in any of its formats, sharded, PEFT adapters, DeepSpeed; the optimizer,
+# the scheduler, the RNG states) only in `train(resume_from_checkpoint=...)`, through methods of the Trainer that a
+# callback is never handed; restoring the files by hand would miss some of them and leave the rest half-restored.
+_NO_REWIND = (
+    "nanwatch: on_detect='rewind' is not available with the transformers Trainer: it loads a checkpoint only when "
+    "train(resume_from_checkpoint=...) starts, never in place mid-run. Use on_detect='skip', or resume from the last "
+    "checkpoint verified finite, which every report names"
+)
 
 
 class OverflowTrainerCallback(TrainerCallback):  # type: ignore[misc,unused-ignore]
@@ -58,13 +68,16 @@ class OverflowTrainerCallback(TrainerCallback):  # type: ignore[misc,unused-igno
 
     Raises:
         ImportError: transformers is not installed.
-        ConfigError: the config or an override names an unknown field or holds a bad value.
+        ConfigError: the config or an override names an unknown field or holds a bad value, or asks for
+            `on_detect="rewind"`, which the Trainer does not allow (`_NO_REWIND` says why).
     """
 
     def __init__(self, config: ConfigLike = None, **overrides: Any) -> None:
         message = "OverflowTrainerCallback needs the transformers package, which is not installed: pip install "
         require(_MISSING_TRANSFORMERS, message + '"nanwatch[transformers]"')
         self.config = resolve_config(config, **overrides)
+        if self.config.on_detect == "rewind":
+            raise ConfigError(_NO_REWIND)
         self.watcher: AdapterContract | None = None
         self._summary = HeldForLog()  # due, waiting for the Trainer's next log event
         self.loss_scale: LossScaleHistory | None = None

@@ -18,10 +18,12 @@ from nanwatch.adapters._checks import ConfigLike, optional_base, require
 from nanwatch.adapters._hooks import close_after, guard_optimizers, warn_if_steps_unguarded
 from nanwatch.adapters._scaler import follow_scaler
 from nanwatch.adapters.lightning._resume import refuse_poisoned_resume
+from nanwatch.adapters.lightning._rewind import restorer_for
 from nanwatch.adapters.lightning._trainer import guard_lightning_saves, to_loggers
 from nanwatch.core.config import resolve_config
 from nanwatch.core.contract import AdapterContract
 from nanwatch.core.log import get_logger
+from nanwatch.core.rewinds import Rewind
 from nanwatch.core.torch_glue.hooks import named_unique_modules
 from nanwatch.core.watcher import Watcher
 from nanwatch.errors import BatchLimitReached, NonFiniteError
@@ -57,6 +59,7 @@ class OverflowCallback(Callback):
         self.config = resolve_config(config, **overrides)
         self.watcher: AdapterContract | None = None  # while a fit (or a watched validate/test) runs
         self._counters: dict[str, Any] | None = None  # kept between fits, restored from checkpoints
+        self._rewinds: list[Rewind] = []  # the last fit's, once it ended
         self._resume_check: WrappedOnInstance | None = None  # from setup() of a fit to its teardown
 
     def _start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -86,11 +89,14 @@ class OverflowCallback(Callback):
         )
         # Every checkpoint the strategy writes is checked first (ModelCheckpoint's, trainer.save_checkpoint()).
         guard_lightning_saves(watcher, trainer)
+        if self.config.on_detect == "rewind":  # a rewind restores the last of those through the strategy
+            watcher.restore_with(restorer_for(trainer))
         self.watcher = watcher
 
     def _stop(self, *, check: bool = False) -> None:
         if self.watcher is not None:
             self._counters = self.watcher.state_dict()
+            self._rewinds = self.watcher.rewinds
             watcher, self.watcher = self.watcher, None
             watcher.close(check=check)
 
@@ -166,6 +172,12 @@ class OverflowCallback(Callback):
 
     on_test_batch_start = on_validation_batch_start
     on_test_batch_end = on_validation_batch_end
+
+    @property
+    def rewinds(self) -> list[Rewind]:
+        """Under `on_detect="rewind"`: each rewind of the running fit (or of the last one, once it ended), oldest
+        first: `batch_number`, the checkpoint's `path` and `optimizer_step`, what was `restored`."""
+        return self.watcher.rewinds if self.watcher is not None else list(self._rewinds)
 
     def state_dict(self) -> dict[str, Any]:
         """The counters (`batch_number`, `eval_batch_number`, `optimizer_step`, `epoch`), saved in checkpoints."""

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 from nanwatch.adapters._checkpoints import WrappedOnInstance, quarantine_beside
+from nanwatch.adapters.lightning._rewind import rewind_point_of
 from nanwatch.core.contract import AdapterContract
 from nanwatch.core.feature_api import QUARANTINE_FOLDER, WriteAside
 from nanwatch.core.readouts import Summary
@@ -29,7 +30,11 @@ def guard_lightning_saves(watcher: AdapterContract, trainer: Any) -> None:
             # The strategy's own save: rank zero writes, through the checkpoint IO (which creates the folder).
             aside = WriteAside(_lightning_quarantine(trainer, target), lambda there: save(checkpoint, there))
             watcher.verify_checkpoint(state, target, step=step, write_aside=aside)
-            return save(checkpoint, filepath, storage_options=storage_options)
+            saved = save(checkpoint, filepath, storage_options=storage_options)
+            point = rewind_point_of(checkpoint, target, step)
+            if point is not None:  # written and verified: under on_detect="rewind", the one a rewind restores
+                watcher.note_rewind_point(point)
+            return saved
 
         return save_checkpoint
 

@@ -11,6 +11,7 @@ beside this module).
 from __future__ import annotations
 
 import contextlib
+import os
 from types import TracebackType
 from typing import Any
 
@@ -20,9 +21,11 @@ from nanwatch.adapters._checks import ConfigLike, check_model, check_skip, entry
 from nanwatch.adapters._hooks import close_after, guard_steps, stop_on_error, watch_root
 from nanwatch.adapters._user_handle import UserHandle
 from nanwatch.adapters.plain._loop import ScaleAfterStep, check_config, check_optimizer, hold, take_over
+from nanwatch.adapters.plain._rewind import LiveParts, SchedulerArg, schedulers_given
 from nanwatch.core.config import WatchConfig, resolve_config
 from nanwatch.core.contract import AdapterContract
 from nanwatch.core.readouts import GradScalerLike
+from nanwatch.core.rewinds import RewindPoint
 from nanwatch.core.watcher import Watcher
 from nanwatch.errors import LossScaleBelowFloor
 
@@ -39,16 +42,25 @@ class WatchHandle(UserHandle):
         *,
         optimizer: torch.optim.Optimizer | None = None,
         scaler: GradScalerLike | None = None,
+        scheduler: SchedulerArg = None,
     ) -> None:
         watched = unwrap_model(check_model(model, "watch()"))
         if optimizer is not None:
             check_optimizer(optimizer, "watch()")
+        schedulers = schedulers_given(scheduler, "watch()")
         fix = "pass it, nanwatch.watch(model, optimizer=optimizer, on_detect='skip')"
         check_skip(config, [] if optimizer is None else [optimizer], "watch()", fix)
+        # Under on_detect="rewind": the loop's objects a checkpoint is restored into (weakly held), else None.
+        self._rewind: LiveParts | None = None
+        if config.on_detect == "rewind":
+            optimizers = [] if optimizer is None else [getattr(optimizer, "optimizer", optimizer)]
+            self._rewind = LiveParts(model, watched, optimizers=optimizers, schedulers=schedulers, scaler=scaler)
         # Holds the model while watching, and lets it go at close().
         self.watcher: AdapterContract = Watcher(watched, config, entry=entry_module(model, watched))
         if scaler is not None:  # before attach: a bad scaler raises with no hook left behind
             self.watcher.watch_scaler(scaler, read_scale="when_settled")
+        if self._rewind is not None:
+            self.watcher.restore_with(self._rewind.restore)
         self._closed = False
         self._scale = ScaleAfterStep(self.watcher)
         try:
@@ -94,6 +106,27 @@ class WatchHandle(UserHandle):
         """Check (and agree across ranks) before each `optimizer.step()`; raise there so the step never runs."""
         check_optimizer(optimizer, "guard()")
         guard_steps(self.watcher, [optimizer])
+        if self._rewind is not None:
+            self._rewind.add_optimizer(getattr(optimizer, "optimizer", optimizer))
+
+    def save_checkpoint(self, state: Any, path: str | os.PathLike[str], *, step: int | None = None) -> None:
+        """`torch.save(state, path)`, once every weight and optimizer state in `state` is checked finite (one fused
+        check; `checkpoint_guard`). Pass modules and optimizers or their state dicts: `{"model": model.state_dict(),
+        "optimizer": optimizer.state_dict()}`. A buffer of the model that held inf/nan as watching began (an
+        attention mask) may hold the same. A finite checkpoint is the one later reports name as where to resume, and
+        under `on_detect="rewind"` the one a rewind restores (docs/long-runs.md says what each entry may be).
+
+        Raises:
+            NonFiniteCheckpoint: `state` holds inf/nan; nothing was written to `path` (with `checkpoint_guard=
+                "quarantine"`, it was written to `<folder of path>/nanwatch-quarantine/<file>.nonfinite`).
+            ConfigError: under `on_detect="rewind"`, `state` is not a checkpoint a rewind could restore in full
+                (the model or the optimizer's state missing, an entry nanwatch cannot place); nothing was written.
+        """
+        layout = None if self._rewind is None else self._rewind.layout_of(state)  # refused before anything is written
+        super().save_checkpoint(state, path, step=step)
+        if layout is not None:
+            used = self.watcher.counters.optimizer_step if step is None else step  # as the guard named it
+            self.watcher.note_rewind_point(RewindPoint(os.fspath(path), used, layout))
 
     def step(self) -> None:
         """End the current training micro-batch: check it, then advance `batch_number`.
@@ -147,6 +180,7 @@ def watch(
     *,
     optimizer: torch.optim.Optimizer | None = None,
     scaler: GradScalerLike | None = None,
+    scheduler: SchedulerArg = None,
     **overrides: Any,
 ) -> WatchHandle:
     """Watch every module of `model` for inf/nan.
@@ -158,6 +192,8 @@ def watch(
         scaler: the run's `torch.amp.GradScaler`, if any: inf/nan gradients on the steps it skips are then expected
             (logged, and the run goes on); the scale's history goes into the report, and the run stops when the
             scale falls below `min_loss_scale`. Pass `optimizer` too, so a step the scaler does not skip is checked.
+        scheduler: the run's LR scheduler (`torch.optim.lr_scheduler.LRScheduler`), or a list of them: under
+            `on_detect="rewind"`, restored from a checkpoint that holds its state; unused otherwise.
         **overrides: fields of `WatchConfig` that replace those of `config`.
 
     Returns:
@@ -167,7 +203,9 @@ def watch(
     Raises:
         ConfigError: the config or an override names an unknown field or holds a bad value; or `on_detect="skip"`
             without `optimizer` (there is no step to skip).
-        TypeError: `scaler` is not a GradScaler.
+        TypeError: `scaler` is not a GradScaler, or `scheduler` not an LR scheduler.
     """
     check_config(config, "watch()")
-    return WatchHandle(model, resolve_config(config, **overrides), optimizer=optimizer, scaler=scaler)
+    return WatchHandle(
+        model, resolve_config(config, **overrides), optimizer=optimizer, scaler=scaler, scheduler=scheduler
+    )

@@ -161,20 +161,29 @@ class WatchConfig(BaseModel):
         "reference that changes before the replay (a forward that changes it in place, a loop that refills a "
         'preallocated buffer) makes the verdict "not replayable", never "not reproduced".',
     )
-    on_detect: Literal["raise", "skip"] = Field(
+    on_detect: Literal["raise", "skip", "rewind"] = Field(
         "raise",
         description='What a detection in training does. "raise": every rank raises NonFiniteError (the report on '
         'disk first). "skip": the optimizer step it reaches is not applied (the gradients are cleared, so the '
         "optimizer changes nothing; a GradScaler does its own skipping as before), the report is written, the "
         "micro-batch is appended to report_dir/skipped.jsonl, and the run goes on; every rank skips the same step. "
-        "Needs an optimizer nanwatch guards (every adapter's, or watch(optimizer=...)); a detection in evaluation "
-        'is reported and raised as with "raise".',
+        '"rewind": that step is not applied either, and the model and optimizer (and LR schedulers and the '
+        "GradScaler, where the checkpoint holds them) are restored in place from the last checkpoint nanwatch "
+        "verified finite, on every rank alike; listed in report_dir/rewinds.jsonl (not with the transformers "
+        "Trainer). Both need an optimizer nanwatch guards (every adapter's, or watch(optimizer=...)); a detection in "
+        'evaluation is reported and raised as with "raise".',
     )
     max_consecutive_skips: int = Field(
         3,
         ge=0,
         description='With on_detect="skip": raise (StepsSkippedInARow) at a detection that would make this many + 1 '
         "optimizer steps skipped in a row: a run that keeps going non-finite is not saved by skipping.",
+    )
+    max_rewinds: int = Field(
+        3,
+        ge=0,
+        description='With on_detect="rewind": how many rewinds a run may make; the detection after them raises '
+        "NonFiniteError (so does one before any checkpoint was verified finite).",
     )
     spike_window: int | None = Field(
         None,
@@ -280,6 +289,15 @@ class WatchConfig(BaseModel):
     def _capture_needs_report_dir(self) -> WatchConfig:
         if self.capture_on_detect and self.report_dir is None:
             raise ValueError("capture_on_detect=True needs report_dir: the replay file is written there")
+        return self
+
+    @model_validator(mode="after")
+    def _rewind_needs_the_checkpoint_guard(self) -> WatchConfig:
+        if self.on_detect == "rewind" and self.checkpoint_guard == "off":
+            raise ValueError(
+                "on_detect='rewind' restores the last checkpoint the checkpoint guard verified finite, and "
+                "checkpoint_guard='off' verifies none: use checkpoint_guard='refuse' (the default) or 'quarantine'"
+            )
         return self
 
     @model_validator(mode="after")

@@ -18,11 +18,15 @@ One small state machine per watcher:
   clears the gradients that step would apply (so the optimizer changes nothing), the report is on disk, the
   micro-batch joins `report_dir/skipped.jsonl`, and the machine is clear again on fresh keys. The
   `max_consecutive_skips + 1`-th detection in a row raises `StepsSkippedInARow` instead.
+- *rewound* (`on_detect="rewind"`, where a skip would skip): the gradients are cleared as for a skip, and every rank
+  puts the last certified checkpoint back in place (rewinder.py); with no such checkpoint, after `max_rewinds`
+  rewinds, or when a restore fails, every rank raises instead.
 
-Under `on_detect="skip"` with more than one rank, the ranks vote before every optimizer step (stepvote.py):
-each learns, before it steps, whether any rank detected inf/nan in that step's window, so every rank skips the same
-step whatever the rank-local cause (an inf in a diagnostic output that never reaches the gradients, a spike on one
-rank). The vote replaces the board's settling there; the board still carries what raises (evaluation, `check()`).
+Under `on_detect="skip"` (and `"rewind"`) with more than one rank, the ranks vote before every optimizer step
+(stepvote.py): each learns, before it steps, whether any rank detected inf/nan in that step's window, so every rank
+skips the same step whatever the rank-local cause (an inf in a diagnostic output that never reaches the gradients, a
+spike on one rank). The vote replaces the board's settling there; the board still carries what raises (evaluation,
+`check()`).
 
 A step the GradScaler skips itself is not skipped again: a detection held for a step that the scaler skipped (the
 scale went down at or after the detection's micro-batch: no `optimizer.step()` came for that window) is let go, its
@@ -46,6 +50,7 @@ from nanwatch.core.distributed.ranks import Detection, Kind
 from nanwatch.core.distributed.stepvote import StepVote, VoteLost
 from nanwatch.core.engine.counters import Counters
 from nanwatch.core.engine.publisher import Publisher
+from nanwatch.core.engine.rewinder import CannotRewind, Rewinder
 from nanwatch.core.frames import counter_name
 from nanwatch.core.log import warn
 from nanwatch.core.optimizers import skips_this_step
@@ -77,12 +82,14 @@ class Arbiter:
         board: where ranks tell each other of a detection; None in a single process.
         publisher: logs and writes a report (once per detection) before anything raises.
         on_raise: called just before the error is raised (the micro-batch ends there).
-        on_detect: "raise", or "skip" (a verdict reached before an optimizer step skips that step).
+        on_detect: "raise", "skip" (a verdict reached before an optimizer step skips that step), or "rewind" (acts
+            where a skip would, and rewinds through `rewinder`).
         max_consecutive_skips: with "skip", the steps that may be skipped in a row.
         report_dir: where the skip list goes (rank 0 writes it); None: nowhere.
         votes: with "skip" and more than one rank, the vote every rank takes before each optimizer step.
         scaler_skipped_since: whether the run's GradScaler skipped a step at or after a training micro-batch (its
             scale went down there); None without a scaler.
+        rewinder: with "rewind", what puts the last certified checkpoint back.
     """
 
     def __init__(
@@ -100,10 +107,12 @@ class Arbiter:
         report_dir: Path | None = None,
         votes: StepVote | None = None,
         scaler_skipped_since: Callable[[int], bool] | None = None,
+        rewinder: Rewinder | None = None,
     ) -> None:
         self._board = board
         self._votes = votes
         self._scaler_skipped_since = scaler_skipped_since
+        self._rewinder = rewinder
         self._publisher = publisher
         self._counters = counters
         self._logger = logger
@@ -168,8 +177,8 @@ class Arbiter:
 
     @property
     def skips(self) -> bool:
-        """A verdict is acted on by skipping steps, not raising (so it is left for the optimizer step)."""
-        return self._on_detect == "skip"
+        """A verdict is acted on at the optimizer step, by skipping it (or rewinding there), not by raising."""
+        return self._on_detect in ("skip", "rewind")
 
     def _drop_if_the_scaler_skipped_its_step(self) -> bool:
         """Under skip, let go of the held detection if the GradScaler skipped a step at or after its micro-batch
@@ -283,11 +292,16 @@ class Arbiter:
         (so every rank has read the vote before any raises, and the board's keys stay as they are)."""
         optimizer = self._about_to_step
         raises = optimizer is None or not self.skips or agreed.phase != "train"
-        if voted and self._votes is not None and (raises or self.skipped_in_a_row >= self._max_skips):
+        rewinds = self._rewinder is not None
+        at_the_limit = not rewinds and self.skipped_in_a_row >= self._max_skips
+        if voted and self._votes is not None and (raises or at_the_limit):
             self._votes.acknowledge()
         if raises:
             self.raise_error(local, agreed)
         assert optimizer is not None
+        if rewinds:
+            self._rewind(local, agreed, optimizer, voted=voted)
+            return
         if self.skipped_in_a_row >= self._max_skips:
             self.raise_error(local, agreed, skipped=self.skipped_in_a_row)
         if (
@@ -308,6 +322,26 @@ class Arbiter:
         if self._board is not None and not voted:
             self._board.next_round()
         self._list_skip(agreed)  # the micro-batch goes on to its end, as any other
+
+    def _rewind(
+        self, local: Report | None, agreed: Detection, optimizer: torch.optim.Optimizer, *, voted: bool
+    ) -> None:
+        """`on_detect="rewind"`: this step applies nothing (as a skip), and the last certified checkpoint is put back
+        in place on every rank (rewinder.py); raised instead where it cannot be."""
+        assert self._rewinder is not None
+        ours = local is not None and (local.batch_number, self._rank) == (agreed.batch_number, agreed.rank)
+        if ours and not self._published:
+            self._publish_held()
+        for group in optimizer.param_groups:  # nothing to apply: the step leaves every parameter as it is
+            for param in group["params"]:
+                param.grad = None
+        try:
+            self._rewinder.rewind(agreed, self._votes if voted else None)
+        except CannotRewind as refused:
+            self.raise_error(local, agreed, why=str(refused))
+        self._held, self._published = None, False
+        if self._board is not None and not voted:
+            self._board.next_round()
 
     def _list_skip(self, agreed: Detection) -> None:
         counters = self._counters
@@ -335,9 +369,12 @@ class Arbiter:
             f"{self._max_skips}){where}"
         )
 
-    def raise_error(self, local: Report | None, agreed: Detection, *, skipped: int | None = None) -> NoReturn:
+    def raise_error(
+        self, local: Report | None, agreed: Detection, *, skipped: int | None = None, why: str | None = None
+    ) -> NoReturn:
         """Raise `NonFiniteError` (`StepsSkippedInARow` after `skipped` steps skipped in a row): the same on every
-        rank, for the detecting rank and batch `agreed` names."""
+        rank, for the detecting rank and batch `agreed` names. `why`: a sentence that ends the message (why a rewind
+        could not be made)."""
         self._on_raise()
         self._held, self._published = None, False  # raised once: it is the caller's now
         if self._board is not None and self._board.lost is None and self.skips:
@@ -346,6 +383,8 @@ class Arbiter:
         mine = local if ours else None
         counters = self._counters
         message = self._message(mine, agreed)
+        if why is not None:
+            message += f" {why}."
         if skipped is not None:
             self.skipped_in_a_row = 0
             message += f" {skipped} optimizer steps were skipped in a row before it (max_consecutive_skips={skipped})."

@@ -6,6 +6,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from nanwatch.core.distributed.board import DetectionBoard
+from nanwatch.core.distributed.rewind_notice import RewindNotice
 from nanwatch.core.distributed.stepvote import StepVote
 from nanwatch.core.engine.arbiter import Arbiter
 from nanwatch.core.engine.checker import Checker
@@ -14,6 +15,7 @@ from nanwatch.core.engine.feature_context import EngineView, Facade, Fixed
 from nanwatch.core.engine.feature_set import FeatureSet
 from nanwatch.core.engine.publisher import Publisher
 from nanwatch.core.engine.recording.recorder import Recorder
+from nanwatch.core.engine.rewinder import Rewinder
 from nanwatch.core.feature_api import Feature
 from nanwatch.core.readouts import LOSS_SCALE_HISTORY
 from nanwatch.core.scope import BatchSchedule
@@ -32,6 +34,7 @@ class Parts(NamedTuple):
     checker: Checker
     publisher: Publisher
     arbiter: Arbiter
+    rewinder: Rewinder | None  # with on_detect="rewind"
 
 
 def assemble(facade: Facade, fixed: Fixed, features: list[Feature], *, on_raise: Callable[[], None]) -> Parts:
@@ -58,8 +61,18 @@ def assemble(facade: Facade, fixed: Fixed, features: list[Feature], *, on_raise:
     publisher = Publisher(config, logger, schedule, plugins, disable)
     board = DetectionBoard.for_model(facade.model, facade.entry, rank, world_size, config.rank_wait_s)
     votes = None
-    if board is not None and config.on_detect == "skip":  # every rank votes before each optimizer step
+    if board is not None and config.on_detect in ("skip", "rewind"):  # every rank votes before each optimizer step
         votes = StepVote(board._store, board._prefix, board.world_size, config.rank_wait_s)
+    rewinder = None
+    if config.on_detect == "rewind":
+        rewinder = Rewinder(
+            logger,
+            max_rewinds=config.max_rewinds,
+            rank=rank,
+            world_size=world_size,
+            report_dir=config.report_dir,
+            notice=None if board is None else RewindNotice(board._store, board._prefix),
+        )
 
     def scaler_skipped_since(batch_number: int) -> bool:
         history = plugins.read(LOSS_SCALE_HISTORY)
@@ -78,6 +91,7 @@ def assemble(facade: Facade, fixed: Fixed, features: list[Feature], *, on_raise:
         report_dir=config.report_dir,
         votes=votes,
         scaler_skipped_since=scaler_skipped_since,
+        rewinder=rewinder,
     )
     plugins.bind(EngineView(facade, fixed, counters, recorder, checker, publisher, plugins, cache, schedule))
-    return Parts(schedule, cache, counters, plugins, recorder, checker, publisher, arbiter)
+    return Parts(schedule, cache, counters, plugins, recorder, checker, publisher, arbiter, rewinder)
