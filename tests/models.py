@@ -223,3 +223,19 @@ class OverflowingSGD(torch.optim.SGD):
             for group in self.param_groups:
                 group["lr"] = math.inf
         return super().step(closure)
+
+
+# ------------------------------------------------------------------------------------ wrong only when compiled
+
+
+def wrong_backend(graph: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> Any:
+    """A torch.compile backend that runs the graph with every linear's result multiplied by inf: a model compiled
+    with it is wrong only when compiled (the cause tests' "compiler": tests/core/features/test_cause.py and the
+    conformance harnesses)."""
+    for node in list(graph.graph.nodes):
+        if node.op == "call_function" and node.target is torch._C._nn.linear:
+            with graph.graph.inserting_after(node):
+                broken = graph.graph.call_function(torch.mul, (node, float("inf")))
+            node.replace_all_uses_with(broken, delete_user_cb=lambda user, broken=broken: user is not broken)
+    graph.recompile()
+    return graph.forward

@@ -77,6 +77,13 @@ class NonFiniteError(NanwatchError, ValueError):
             mode would have written), "not_reproduced" (everything was restored and the numbers came out finite: a
             non-deterministic kernel, a race or a fault), "not_replayable" (something it needs had changed or could
             not be run again; the report says what); None in full mode and on the other ranks.
+        cause: why it went non-finite, as far as a test on this detection could tell (`nanwatch.core.features.cause.
+            Cause`: `kind` is "data", "precision", "compiler", "weights", "loss" or "unknown", `evidence` the line
+            the report's `cause:` ends with); None on the other ranks, or where no cause was looked for.
+        born_in_step: with a cause in the weights: the optimizer step whose update made them non-finite, as reports
+            count steps (the `optimizer_step` a report made during that step carries); None otherwise.
+        capsule: the path of the repro capsule written for this detection (`nanwatch repro CAPSULE` runs the culprit
+            alone), or None when none was written (no `report_dir`, or the culprit's call could not be captured).
     """
 
     def __init__(
@@ -92,6 +99,8 @@ class NonFiniteError(NanwatchError, ValueError):
         phase: str = "train",
         culprit: Any = None,
         replay: str | None = None,
+        cause: Any = None,
+        capsule: str | None = None,
     ) -> None:
         super().__init__(message)
         self.batch_number = batch_number
@@ -103,6 +112,9 @@ class NonFiniteError(NanwatchError, ValueError):
         self.phase = phase
         self.culprit = culprit
         self.replay = replay
+        self.cause = cause
+        self.born_in_step: int | None = getattr(cause, "born_in_step", None)
+        self.capsule = capsule
 
     def __reduce__(self) -> tuple[object, ...]:
         # Keyword-only arguments need help to survive pickling (multiprocessing, Lightning's spawn).

@@ -155,6 +155,12 @@ class Report:
         kept = tuple(s for s in self.sections if s.key != section.key)
         return replace(self, sections=tuple(sorted((*kept, section), key=lambda s: s.order)))
 
+    def without_section(self, key: str) -> Report:
+        """This report without the section `key` (itself when it has none)."""
+        if self.section(key) is None:
+            return self
+        return replace(self, sections=tuple(s for s in self.sections if s.key != key))
+
     def with_sections(self, sections: Sequence[ReportSection]) -> Report:
         report = self
         for section in sections:
@@ -166,6 +172,19 @@ class Report:
         """The first culprit (`nanwatch.core.features.culprit.Culprit`), when the culprit section is there."""
         found = self.section("culprit")
         return None if found is None else found.payload
+
+    @property
+    def cause(self) -> Any:
+        """Why it went non-finite (`nanwatch.core.features.cause.Cause`), when the cause section is there."""
+        found = self.section("cause")
+        return None if found is None else found.payload
+
+    @property
+    def capsule(self) -> str | None:
+        """The path of the repro capsule written for this detection, or None."""
+        found = self.section("cause")
+        path = found.data.get("capsule") if found is not None and isinstance(found.data, dict) else None
+        return path if isinstance(path, str) else None
 
     @property
     def loss_scale(self) -> Any:

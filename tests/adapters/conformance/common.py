@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from tests.adapters.scripts.blowup_models import SumDataset
+from tests.models import wrong_backend
 from torch import nn
 
 BATCH_SIZE = 2
@@ -54,6 +55,10 @@ class Scenario:
             of the logits, as most training code does), overflows to inf while the model's output stays finite. When
             set, every harness computes its loss that way (`FunctionalLoss`) instead of taking the model's.
         fault_once: the fault fires only the first time micro-batch `inf_at` runs (a fault a replay cannot see).
+        cause: what goes wrong at micro-batch `inf_at` instead of an added inf (`CauseFault`, `train_dataset`):
+            "data" (a sample of the data holds nan), "precision16" (a float16 child overflows float16's range),
+            "precision_bf16" (a bfloat16 child's rounding divides by zero), "weights" (a finite gradient whose SGD
+            update overflows a weight), "compiler" (the net is compiled by a backend that breaks every linear).
     """
 
     inf_at: int | None = None
@@ -68,6 +73,7 @@ class Scenario:
     mode: str = "full"
     loss_inf_at: int | None = None
     fault_once: bool = False
+    cause: str | None = None
 
     def __post_init__(self) -> None:
         if self.resume_after is not None and (
@@ -193,7 +199,12 @@ class ConformanceNet(nn.Module):
 
     def __init__(self, scenario: Scenario) -> None:
         super().__init__()
-        fault = Fault(scenario.inf_at, scenario.inf_rank, scenario.eval_inf_at, scenario.raise_at, scenario.fault_once)
+        inf_at = None if scenario.cause == "data" else scenario.inf_at  # the data is what goes wrong there
+        fault = (
+            Fault(inf_at, scenario.inf_rank, scenario.eval_inf_at, scenario.raise_at, scenario.fault_once)
+            if scenario.cause in (None, "data", "compiler")
+            else CauseFault(scenario.cause, scenario.inf_at)
+        )
         self.block = ConformanceBlock(fault)
         self.head = nn.Linear(8, 1)
 
@@ -215,6 +226,8 @@ def new_net(scenario: Scenario, *, micro_batches_done: int = 0) -> ConformanceNe
     torch.manual_seed(0)
     net = ConformanceNet(scenario)
     net.fault.count = micro_batches_done
+    if scenario.cause == "compiler":
+        net.compile(backend=wrong_backend)
     return net
 
 
@@ -227,9 +240,13 @@ def new_loss(scenario: Scenario, *, micro_batches_done: int = 0) -> FunctionalLo
     return loss
 
 
-def train_dataset() -> SumDataset:
-    """MICRO_BATCHES_PER_EPOCH batches of BATCH_SIZE per rank and epoch, once the framework shards it across ranks."""
-    return SumDataset(BATCH_SIZE * MICRO_BATCHES_PER_EPOCH * world_size(), seed=0)
+def train_dataset(scenario: Scenario | None = None) -> SumDataset:
+    """MICRO_BATCHES_PER_EPOCH batches of BATCH_SIZE per rank and epoch, once the framework shards it across ranks.
+    With `scenario.cause == "data"`, the first sample of micro-batch `inf_at` holds a nan (its label stays finite)."""
+    data = SumDataset(BATCH_SIZE * MICRO_BATCHES_PER_EPOCH * world_size(), seed=0)
+    if scenario is not None and scenario.cause == "data" and scenario.inf_at is not None:
+        data.x[scenario.inf_at * BATCH_SIZE, 1] = float("nan")
+    return data
 
 
 def eval_dataset() -> SumDataset:
@@ -354,3 +371,73 @@ def outcome(
         reports=sorted(path.name for path in reports.iterdir()) if reports.is_dir() else [],
         hooks_left=hooks_on(model, optimizers),
     )
+
+
+# ----------------------------------------------------------------------------------------------- the causes
+
+
+class Amplify16(nn.Module):
+    """Multiplies by 64 in float16 (a buffer, so it stays float16 whatever the net's dtype): past float16's range for
+    an input above 1024, which float32 holds."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("gain", torch.full((), 64.0, dtype=torch.float16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.gain
+
+
+class RoundingBf16(nn.Module):
+    """Divides by (1 - (1 + 1e-3)) in bfloat16, whose rounding loses the 1e-3: a division by zero float32 avoids."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("one", torch.ones((), dtype=torch.bfloat16))
+        self.register_buffer("delta", torch.full((), 1e-3, dtype=torch.bfloat16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x / (self.one - (self.one + self.delta))
+
+
+class _HugeGradient(torch.autograd.Function):
+    """Passes x through; its weight's gradient is -3.4e38: finite, but an SGD step of lr 0.1 takes 3.3e38 past
+    float32's max."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return grad, torch.full_like(torch.empty(1), -3.4e38)
+
+
+class CauseFault(Fault):
+    """A `Fault` that, at training micro-batch `inf_at`, makes one kind of cause happen (see `Scenario.cause`)
+    instead of adding inf. Its children are where "precision" begins; its `boost` weight is what "weights" breaks."""
+
+    def __init__(self, cause: str, inf_at: int | None) -> None:
+        super().__init__(inf_at, None, None, None)
+        self.cause = cause
+        self.amplify = Amplify16()
+        self.rounding = RoundingBf16()
+        self.boost = nn.Parameter(torch.full((1,), 3.3e38))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hit = False
+        if self.training:
+            hit = self.count == self.inf_at
+            with torch.no_grad():
+                self.calls += 1
+            self.fired += hit
+        # The boost weight joins every forward with a zero gradient, so the optimizer steps it like any weight.
+        out = x + 0 * self.boost.clamp(max=0)
+        if not hit:
+            return out
+        if self.cause == "precision16":
+            return self.amplify(x.to(torch.float16) * 4096).to(x.dtype)
+        if self.cause == "precision_bf16":
+            return self.rounding(x.to(torch.bfloat16)).to(x.dtype)
+        broken: torch.Tensor = _HugeGradient.apply(x, self.boost)  # "weights"
+        return broken

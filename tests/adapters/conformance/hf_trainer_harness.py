@@ -87,11 +87,13 @@ def _train(
         disable_tqdm=True,
         ddp_backend="gloo" if world_size() > 1 else None,
         ddp_find_unused_parameters=False,
+        # The "weights" cause is an update past float32's max from a finite gradient: clipping would shrink it.
+        max_grad_norm=0.0 if scenario.cause == "weights" else 1.0,
     )
     trainer = Trainer(
         model=net,
         args=args,
-        train_dataset=train_dataset(),
+        train_dataset=train_dataset(scenario),
         eval_dataset=eval_dataset() if scenario.evaluate else None,
         callbacks=[overflow, probe],
         compute_loss_func=_functional(new_loss(scenario, micro_batches_done=micro_batches_done)),

@@ -102,7 +102,7 @@ def _fit(
         default_root_dir=str(workdir),
         callbacks=callbacks,
     )
-    train = DataLoader(train_dataset(), batch_size=BATCH_SIZE)
+    train = DataLoader(train_dataset(scenario), batch_size=BATCH_SIZE)
     val = DataLoader(eval_dataset(), batch_size=BATCH_SIZE) if scenario.evaluate else None
     error: Exception | None = None
     try:

@@ -50,7 +50,7 @@ class _Run:
         self.recorder = StepRecorder(self.net)
         self.recorder.track(self.optimizer)
         self.handle = nanwatch.watch(self.model, scenario.config(workdir), optimizer=self.optimizer)
-        data = train_dataset()
+        data = train_dataset(scenario)
         sampler: DistributedSampler[Any] | None = None if self.ddp is None else DistributedSampler(data, shuffle=False)
         self.loader = DataLoader(data, batch_size=BATCH_SIZE, sampler=sampler)
         self.eval_batches = list(DataLoader(eval_dataset(), batch_size=BATCH_SIZE))

@@ -10,7 +10,16 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from nanwatch.core.config.messages import describe, echo
 from nanwatch.core.config.reading import MAX_VALUES, read_config_file, too_many_values
@@ -30,6 +39,9 @@ class WatchConfig(BaseModel):
     """
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
+    # Set by `for_rerun` only: this config watches sentinel mode's replay of a micro-batch (not a field: no user sets
+    # it, and it is neither validated nor written out).
+    _for_a_replay: bool = PrivateAttr(default=False)
 
     mode: Literal["full", "sentinel"] = Field(
         "full",
@@ -359,11 +371,16 @@ class WatchConfig(BaseModel):
             return self
         return WatchConfig.from_dict({**self.model_dump(), **overrides}, source="overrides")
 
+    @property
+    def watches_a_replay(self) -> bool:
+        """Whether this is the config of sentinel mode's replay of a micro-batch (`for_rerun`)."""
+        return self._for_a_replay
+
     def for_rerun(self, *, gradients: bool) -> WatchConfig:
         """The config of a rerun (sentinel mode's replay of a micro-batch that went non-finite): every module watched
         in full, `gradients` recorded or not, and nothing that writes, traces, summarises, warns, judges spikes
         or guards checkpoints: the rerun only records what the model computes; the run's own report says the rest."""
-        return self.model_copy(
+        rerun = self.model_copy(
             update={
                 "mode": "full",
                 "watch_gradients": gradients,
@@ -385,6 +402,8 @@ class WatchConfig(BaseModel):
                 "checkpoint_guard": "off",
             }
         )
+        rerun._for_a_replay = True
+        return rerun
 
 
 def _number_kind(annotation: Any) -> str | None:

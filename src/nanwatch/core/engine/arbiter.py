@@ -404,6 +404,8 @@ class Arbiter:
             phase=agreed.phase,
             culprit=mine.culprit if mine is not None else None,
             replay=_replay_verdict(mine),
+            cause=mine.cause if mine is not None else None,
+            capsule=mine.capsule if mine is not None else None,
         )
 
     def _message(self, mine: Report | None, agreed: Detection) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from nanwatch.core.config import WatchConfig
 from nanwatch.core.feature_api import Feature
 from nanwatch.core.features.capture import ReplayCapture
+from nanwatch.core.features.cause import CauseFeature
 from nanwatch.core.features.checkpoints import CheckpointGuard
 from nanwatch.core.features.culprit import CulpritFeature
 from nanwatch.core.features.gradients import GradientRecorder
@@ -39,6 +40,8 @@ def features_for(config: WatchConfig) -> list[Feature]:
         features.append(SpikeMonitor(config.spike_window, config.spike_factor, config.spike_zscore))
     if config.mode == "sentinel":
         features.append(SentinelFeature())  # after the loss scale: it replays what is to be raised
+    # After the culprit, the loss scale's judgement (an overflow the scaler handles is not tested) and the replay.
+    features.append(CauseFeature(config))
     if config.capture_on_detect:
         features.append(ReplayCapture())
     features.append(SummaryFeature(config.summary_every_n_batches))

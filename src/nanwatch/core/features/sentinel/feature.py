@@ -16,7 +16,6 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from nanwatch.core.feature_api import EngineContext, Feature, OptimizerStage, Phase
-from nanwatch.core.features.sentinel import generators as own_generators
 from nanwatch.core.features.sentinel.kept import (
     MAX_WINDOW,
     Call,
@@ -37,6 +36,7 @@ from nanwatch.core.features.sentinel.verdicts import (
 )
 from nanwatch.core.frames import Frame, Role
 from nanwatch.core.log import warn
+from nanwatch.core.model_state import generators as own_generators
 from nanwatch.core.readouts import SPIKE_REPLAY, Readout, ReplayedLevels
 from nanwatch.core.report import Report, ReportSection
 from nanwatch.core.runstate import autocast_state, capture_rng_states

@@ -9,8 +9,7 @@ a parameter (DDP's all-reduce), drives that backward from the kept gradients, an
 from __future__ import annotations
 
 import dataclasses
-import types
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,9 +18,10 @@ import torch
 from torch.utils._pytree import tree_map_only
 
 from nanwatch.core.feature_api import EngineContext
-from nanwatch.core.features.sentinel import generators as own_generators
 from nanwatch.core.features.sentinel.kept import MicroBatch
 from nanwatch.core.features.sentinel.outputs import float_leaves
+from nanwatch.core.model_state import generators as own_generators
+from nanwatch.core.model_state.attributes import keep_attributes
 from nanwatch.core.report import Report
 from nanwatch.core.runstate import autocast_as, capture_rng_states, restore_rng_states
 
@@ -100,7 +100,7 @@ def run_again(
         now = {name: buffer.detach().clone() for name, buffer in buffers.items()}
     callers_rng = capture_rng_states(numpy=True)
     callers_own = own_generators.capture(generators)
-    restore_attributes = _keep_attributes(ctx.model)
+    restore_attributes = keep_attributes(ctx.model)
     pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
     outputs: list[torch.Tensor] = []
     try:
@@ -154,51 +154,6 @@ def same_numbers(first: Replayed, second: Replayed) -> bool:
         a is None or b is None or (a[0] == b[0] and (a[1] == b[1] or (a[1] != a[1] and b[1] != b[1])))
         for a, b in zip(first.computed, second.computed, strict=True)
     )
-
-
-# Values a forward may change in a module's plain Python attributes (a call counter, a cache list) that a replay puts
-# back. Other objects a module holds (a cache object, a config) get their own attributes put back, one level deep;
-# modules, tensors, classes, functions and Python modules are left as they are.
-_PLAIN = (bool, int, float, complex, str, bytes, tuple, frozenset, type(None))
-_NOT_STATE = (torch.nn.Module, torch.Tensor, type, types.FunctionType, types.MethodType, types.ModuleType)
-_MISSING = object()
-
-
-def _keep_attributes(model: torch.nn.Module) -> Callable[[], None]:
-    """The modules' public attributes as they are now (plain values; lists, dicts and sets by their contents; other
-    objects by their own attributes), and a function that puts them back: a replay runs the live model, and must not
-    advance the user's state (a call counter, a list the forward appends to) as if the run had taken one more step."""
-    values: list[tuple[dict[str, Any], str, Any]] = []
-    containers: list[tuple[Any, Any]] = []
-    objects: list[tuple[dict[str, Any], dict[str, Any]]] = []
-    for module in model.modules():
-        attributes = vars(module)
-        for name, value in attributes.items():
-            if name.startswith("_"):
-                continue
-            values.append((attributes, name, value))
-            if type(value) in (list, dict, set):
-                containers.append((value, value.copy()))
-            elif not isinstance(value, _PLAIN + _NOT_STATE) and isinstance(getattr(value, "__dict__", None), dict):
-                objects.append((vars(value), dict(vars(value))))
-
-    def restore() -> None:
-        for attributes, name, value in values:
-            attributes[name] = value
-        for container, contents in containers:
-            container.clear()  # the same object, as the user's code may hold it
-            if isinstance(container, list):
-                container.extend(contents)
-            else:
-                container.update(contents)
-        for state, saved in objects:
-            for key in [key for key in state if key not in saved]:
-                del state[key]
-            for key, value in saved.items():
-                if state.get(key, _MISSING) is not value:
-                    state[key] = value
-
-    return restore
 
 
 def _detached(value: Any) -> Any:

@@ -14,10 +14,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from nanwatch.core.feature_api import EngineContext
-from nanwatch.core.features.sentinel import generators as own_generators
 from nanwatch.core.features.sentinel.kept import MicroBatch
 from nanwatch.core.features.sentinel.replay import run_again
 from nanwatch.core.frames import ResolvedFrame
+from nanwatch.core.model_state import generators as own_generators
 from nanwatch.core.readouts import ReplayedLevels
 
 __all__ = ["KEPT_FOR_SPIKES", "replay_levels"]

@@ -157,7 +157,9 @@ def _at_the_output(report: Report) -> Report:
         return report
     culprit = report.culprit
     if culprit is not None and getattr(culprit, "kind", None) == "loss":
-        report = dataclasses.replace(report, sections=tuple(s for s in report.sections if s.key != "culprit"))
+        # Nor the cause drawn from that culprit.
+        dropped = ("culprit", "cause")
+        report = dataclasses.replace(report, sections=tuple(s for s in report.sections if s.key not in dropped))
     return dataclasses.replace(report, module_name=None)
 
 
