@@ -179,7 +179,7 @@ def test_weights_name_the_step_that_broke_them() -> None:
     assert error.born_in_step == cause.born_in_step == 1
     assert error.optimizer_step == 2
     assert "weight of tail (Boost) held inf/nan when the forward began: born in optimizer step 1" in cause.evidence
-    assert "learning rate 0.1" in cause.evidence
+    assert "learning rate 1.00e-01" in cause.evidence
 
 
 class _HugeGradient(torch.autograd.Function):

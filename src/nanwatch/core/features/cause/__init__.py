@@ -210,7 +210,9 @@ def _untestable(report: Report) -> Cause:
     replay = report.section("replay")
     verdict = replay.data.get("verdict") if replay is not None and isinstance(replay.data, dict) else None
     if verdict is not None:
-        return Cause("unknown", f"sentinel mode's replay named no culprit to test (its verdict: {verdict})")
+        found = replay.data.get("cause") if replay is not None and isinstance(replay.data, dict) else None
+        said = f", cause: {found}" if isinstance(found, str) else ""
+        return Cause("unknown", f"sentinel mode's replay named no culprit to test (its verdict: {verdict}{said})")
     return Cause(
         "unknown",
         "no module's forward made it (first seen in the gradients, or in no recorded frame): no test applies",

@@ -103,7 +103,7 @@ def diagnose(
 
 def _compiler(name: str, call: CulpritCall, compiled: CompileInfo) -> Cause:
     dtype = _dtype_name(call.output_dtype)
-    magnitude = "" if call.output_abs_max is None else f" (abs max {call.output_abs_max:.3g})"
+    magnitude = "" if call.output_abs_max is None else f" (abs max {call.output_abs_max:.2e})"
     mode = "" if compiled.mode is None else f", mode={compiled.mode!r}"
     return Cause(
         "compiler",
@@ -135,19 +135,19 @@ def _precision(name: str, call: CulpritCall) -> Cause:
             name,
             details={"dtype": narrow, "recomputed_in": wide},
         )
-    needed = "" if found.wide_abs_max is None else f" (abs max {found.wide_abs_max:.3g})"
+    needed = "" if found.wide_abs_max is None else f" (abs max {found.wide_abs_max:.2e})"
     magnitude = found.first_op_needed if found.first_op_needed is not None else found.wide_abs_max
     past_range = magnitude is not None and magnitude > found.narrow_max
     if found.first_op is not None and found.first_op_needed is not None:
-        op = f"first op non-finite in {narrow}: {found.first_op}, {found.first_op_needed:.3g} in {wide}"
+        op = f"first op non-finite in {narrow}: {found.first_op}, {found.first_op_needed:.2e} in {wide}"
     else:
         op = f"no single op could be told apart in {narrow}"
     if past_range:
-        why = f"{narrow}'s range overflowed: it holds at most {found.narrow_max:.3g}; {op}"
+        why = f"{narrow}'s range overflowed: it holds at most {found.narrow_max:.2e}; {op}"
     else:
         why = (
             f"{narrow}'s rounding made it non-finite, not its range (every value in {wide} is within "
-            f"{narrow}'s max {found.narrow_max:.3g}); {op}"
+            f"{narrow}'s max {found.narrow_max:.2e}); {op}"
         )
     return Cause(
         "precision",
@@ -179,7 +179,7 @@ def weights_cause(culprit: Any, steps: StepHistory) -> Cause:
             "non-finite since before watching began (a checkpoint, an initialisation), or broken outside a step",
             name,
         )
-    rates = ", ".join(f"{rate:.3g}" for rate in steps.learning_rates)
+    rates = ", ".join(f"{rate:.2e}" for rate in steps.learning_rates)
     lr = f" (learning rate {rates})" if rates else ""
     return Cause(
         "weights",
