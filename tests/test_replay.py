@@ -31,6 +31,7 @@ if str(REPO) not in sys.path:  # so that `tests.replay_models` imports here as i
     sys.path.insert(0, str(REPO))
 
 from tests.replay_models import WIDTH, TinyNet, factory  # noqa: E402
+from tests.report_lines import capsule_line  # noqa: E402
 
 FACTORY = "tests.replay_models:factory"
 MAX_FRAMES = 8
@@ -98,6 +99,17 @@ def _frames_of_batch(report: dict[str, Any], batch_number: int) -> list[dict[str
     return [frame for frame in report["frames"] if frame["batch_number"] == batch_number]
 
 
+def _cause_lines(error: NonFiniteError) -> list[str]:
+    """The original report's cause and repro capsule lines, just before its culprit line. A replay reads the frames
+    again and tests no cause, so its report has neither; every other line is the same."""
+    assert error.culprit is not None
+    lines = error.report.splitlines()
+    culprit = lines.index(error.culprit.message)
+    assert error.capsule is not None
+    assert lines[culprit - 2 : culprit] == [f"cause: {error.cause}", capsule_line(error.capsule)]
+    return lines[culprit - 2 : culprit]
+
+
 def _overflow_in_one_step(model: torch.nn.Module, handle: nanwatch.WatchHandle) -> None:
     model(torch.full((4, 8), 3e38))  # 8 inputs near fp32's maximum: the first Linear's output is inf
     handle.step()
@@ -150,10 +162,17 @@ def test_with_the_optimizer_guard_the_replay_matches_too(tmp_path: Path) -> None
     assert result.matches_original, result.differences
     assert result.report is not None
     # The original also names the gradients the step would have applied (the guard's line): a forward's replay has
-    # no optimizer step to say that of. Every other line is the same.
+    # no optimizer step to say that of. Nor does it test a cause (the original's cause and capsule lines). Every
+    # other line is the same.
+    assert error.cause is not None
+    assert (error.cause.kind, error.cause.module_name) == ("precision", "head")
+    assert error.capsule == str(tmp_path / f"nanwatch-capsule-rank0-batch{error.batch_number}.pt")
     guard_line = "non-finite gradients about to be applied by optimizer step"
-    original = [line for line in error.report.splitlines() if not line.startswith(guard_line)]
-    assert len(original) == len(error.report.splitlines()) - 1
+    cause_lines = _cause_lines(error)
+    original = [
+        line for line in error.report.splitlines() if not line.startswith(guard_line) and line not in cause_lines
+    ]
+    assert len(original) == len(error.report.splitlines()) - 3
     assert result.report.to_text().splitlines() == original
 
 
@@ -195,7 +214,15 @@ def test_python_replay_equals_the_original_frames_value_for_value(captured: Capt
     assert result.matches_original, result.differences
     assert result.report is not None
     assert result.report.to_dict()["frames"] == captured.report_json["frames"]
-    assert result.report.to_text() == captured.error.report
+    # The original's cause and capsule lines aside (a replay tests no cause), the same text.
+    cause_lines = _cause_lines(captured.error)
+    assert result.report.to_text().splitlines() == [
+        line for line in captured.error.report.splitlines() if line not in cause_lines
+    ]
+    # The same forward as the guarded run's (test_with_the_optimizer_guard_the_replay_matches_too), whose cause is
+    # precision: head's fp32 output overflowed from finite inputs (abs max 3.55e+35) and weights (7.23e+06).
+    assert captured.error.cause is not None
+    assert (captured.error.cause.kind, captured.error.cause.module_name) == ("precision", "head"), captured.error.cause
     assert result.report.module_name == captured.error.module_name
     assert [frame.batch_number for frame in result.frames] == [captured.error.batch_number] * len(result.frames)
     assert len(result.frames) == 14  # every module of TinyNet once, the root last
@@ -245,7 +272,14 @@ def test_replay_of_an_eval_forward(tmp_path: Path) -> None:
     assert result.phase == "eval"
     assert result.matches_original, result.differences
     assert result.report is not None
-    assert result.report.to_text() == caught.value.report
+    # The original's cause and capsule lines aside (a replay tests no cause), the same text.
+    assert caught.value.cause is not None
+    assert (caught.value.cause.kind, caught.value.cause.module_name) == ("precision", "inp")
+    assert caught.value.capsule == str(tmp_path / "nanwatch-capsule-eval-rank0-batch0.pt")
+    cause_lines = _cause_lines(caught.value)
+    assert result.report.to_text().splitlines() == [
+        line for line in caught.value.report.splitlines() if line not in cause_lines
+    ]
 
 
 def test_replay_runs_under_the_autocast_of_the_capture(tmp_path: Path) -> None:

@@ -29,6 +29,7 @@ from typing import Any
 import pytest
 import torch
 from tests.models import MLP, MLP_FRAMES_PER_BATCH, OverflowsInItsOwnForward, Twice, loud_mlp, tiny_gpt2_config
+from tests.report_lines import cause_tail
 from torch import nn
 
 import nanwatch
@@ -153,18 +154,21 @@ class Scenario:
     batches: int
     detect_batch: int  # the batch in which inf/nan first appears
     culprit: str  # the module whose frame first holds it
+    cause: str  # the cause's kind: "data" (inf/nan in the batch), "precision" (a finite input overflowed the dtype)
 
 
 SCENARIOS = {
-    "mlp-overflow-midway-batch0": Scenario(loud_mlp, float_forward({0: 3e37}), no_update, 2, 0, "body.2"),
-    "mlp-inf-batch2-training": Scenario(MLP, float_forward({2: INF}), sgd_step, 4, 2, "body.0"),
-    "mlp-overflow-midway-batch3": Scenario(loud_mlp, float_forward({3: 3e37}), sgd_step, 5, 3, "body.2"),
-    "mlp-inf-batch2-data-updates": Scenario(MLP, float_forward({2: INF}), data_step, 4, 2, "body.0"),
-    "mlp-inf-hidden-by-inplace-relu": Scenario(positive_mlp, float_forward({1: -INF}), no_update, 3, 1, "body.0"),
-    "tuples-nan-batch2": Scenario(SplitTupleModel, float_forward({2: NAN}), no_update, 4, 2, "split.proj"),
-    "twice-inf-batch1": Scenario(Twice, float_forward({1: INF}), sgd_step, 3, 1, "block"),
-    "gpt2-fp16-overflow-batch0": Scenario(gpt2_fp16(3e5), gpt2_forward, no_update, 2, 0, "h.1.mlp.c_fc"),
-    "gpt2-fp16-overflow-batch2": Scenario(gpt2_fp16(1e3), gpt2_forward, grow_gpt2, 4, 2, "h.1.mlp.c_fc"),
+    "mlp-overflow-midway-batch0": Scenario(loud_mlp, float_forward({0: 3e37}), no_update, 2, 0, "body.2", "precision"),
+    "mlp-inf-batch2-training": Scenario(MLP, float_forward({2: INF}), sgd_step, 4, 2, "body.0", "data"),
+    "mlp-overflow-midway-batch3": Scenario(loud_mlp, float_forward({3: 3e37}), sgd_step, 5, 3, "body.2", "precision"),
+    "mlp-inf-batch2-data-updates": Scenario(MLP, float_forward({2: INF}), data_step, 4, 2, "body.0", "data"),
+    "mlp-inf-hidden-by-inplace-relu": Scenario(
+        positive_mlp, float_forward({1: -INF}), no_update, 3, 1, "body.0", "data"
+    ),
+    "tuples-nan-batch2": Scenario(SplitTupleModel, float_forward({2: NAN}), no_update, 4, 2, "split.proj", "data"),
+    "twice-inf-batch1": Scenario(Twice, float_forward({1: INF}), sgd_step, 3, 1, "block", "data"),
+    "gpt2-fp16-overflow-batch0": Scenario(gpt2_fp16(3e5), gpt2_forward, no_update, 2, 0, "h.1.mlp.c_fc", "precision"),
+    "gpt2-fp16-overflow-batch2": Scenario(gpt2_fp16(1e3), gpt2_forward, grow_gpt2, 4, 2, "h.1.mlp.c_fc", "precision"),
 }
 
 # (scenario, K): K below, at and above one batch's frame count, so reports span one, two and three batches.
@@ -276,7 +280,8 @@ def module_of(frame: str) -> str:
 def split_report(text: str) -> tuple[list[str], list[str], list[str]]:
     """nanwatch's report text: its three header lines, each frame's text, and what follows the frames.
 
-    The frames end at the first blank line (no frame holds one); after it nanwatch adds its own lines (the culprit).
+    The frames end at the first blank line (no frame holds one); after it nanwatch adds its own lines (the cause,
+    the repro capsule's, the culprit).
     """
     lines = text.splitlines()
     body = lines[3:]
@@ -331,7 +336,9 @@ def test_watch_reports_the_frames_transformers_reports(name: str, size: int | No
     assert oracle.header[1] == f"Last {len(oracle.frames)} forward frames:"
     assert len(oracle.frames) <= (size or 21)
 
-    # The report text: the same header, the same frames (and keyword inputs), then only nanwatch's culprit line.
+    # The report text: the same header, the same frames (and keyword inputs), then only nanwatch's own lines: the
+    # cause, the repro capsule where the culprit's call was captured (a precision overflow: the culprit ran again; an
+    # inf/nan in the batch needs no rerun), and the culprit line.
     header, frames, tail = split_report(error.report)
     assert header == oracle.header
     assert header[2] == TABLE_HEADER
@@ -339,18 +346,30 @@ def test_watch_reports_the_frames_transformers_reports(name: str, size: int | No
     assert frames == oracle.frames
     assert bool(keyword_lines) == name.startswith("gpt2"), keyword_lines
     assert error.culprit is not None
-    assert tail[:2] == ["", error.culprit.message]
+    assert error.cause is not None
+    assert error.cause.kind == scenario.cause
+    capsule = tmp_path / f"nanwatch-capsule-rank0-batch{scenario.detect_batch}.pt"
+    if scenario.cause == "precision":
+        assert error.cause.module_name == scenario.culprit
+        assert error.capsule == str(capsule)
+        assert capsule.is_file()
+    else:
+        assert error.cause.module_name == ""  # the top-level model's input
+        assert error.capsule is None
+        assert not capsule.exists()
+    ours = cause_tail(error, error.capsule)
+    assert tail[: len(ours)] == ours
     # Then, where a frame of the detection holds numbers near their dtype's max (the fp16 overflows), the headroom
     # finding, one line per tensor; nothing else.
-    assert (len(tail) > 2) == name.startswith("gpt2"), tail
-    if len(tail) > 2:
+    assert (len(tail) > len(ours)) == name.startswith("gpt2"), tail
+    if len(tail) > len(ours):
         batch = scenario.detect_batch
         assert (
-            tail[2]
+            tail[len(ours)]
             == f"numbers near their dtype's limits in the frames checked with this detection (batch_number={batch}):"
         )
-        assert tail[3:]
-        assert all(line.startswith("  ") and "headroom" in line for line in tail[3:]), tail
+        assert tail[len(ours) + 1 :]
+        assert all(line.startswith("  ") and "headroom" in line for line in tail[len(ours) + 1 :]), tail
 
     # The error and the files in report_dir carry the same.
     assert watch_batch == oracle_batch
@@ -361,6 +380,7 @@ def test_watch_reports_the_frames_transformers_reports(name: str, size: int | No
     document = json.loads((tmp_path / f"{stem}.json").read_text(encoding="utf-8"))
     assert document["batch_number"] == scenario.detect_batch
     assert document["module_name"] == scenario.culprit
+    assert document["cause"] == {**error.cause.to_dict(), "capsule": error.capsule}
     assert without_keyword_lines(render_json_frames(document))[0] == oracle.frames
     assert [frame["batch_number"] for frame in document["frames"]] == oracle.frame_batches
 
@@ -386,7 +406,7 @@ def test_only_the_root_overflowing_differs_in_the_header_batch_number(tmp_path: 
     transformers advances its batch counter when the root's hook fires, before it builds the root's frame, so the
     header says batch_number=N+1 for an inf that appeared in batch N. nanwatch says N. The frames are the same.
     """
-    scenario = Scenario(OverflowsInItsOwnForward, float_forward({1: 1e3}), no_update, 3, 1, "")
+    scenario = Scenario(OverflowsInItsOwnForward, float_forward({1: 1e3}), no_update, 3, 1, "", "precision")
     stdout, oracle_batch = run_oracle(scenario, 4)
     oracle = parse_oracle(stdout)
     error, watch_batch = run_watch(scenario, 4, tmp_path)
@@ -397,6 +417,11 @@ def test_only_the_root_overflowing_differs_in_the_header_batch_number(tmp_path: 
     assert header[1:] == oracle.header[1:]
     assert frames == oracle.frames
     assert error.culprit is not None
-    assert tail == ["", error.culprit.message]
+    # The root's own product (finite fc output times 1e38) passed float32's max: a precision cause, whose capsule
+    # holds the root's call.
+    assert error.cause is not None
+    assert (error.cause.kind, error.cause.module_name) == ("precision", "")
+    assert error.capsule == str(tmp_path / "nanwatch-capsule-rank0-batch1.pt")
+    assert tail == cause_tail(error, error.capsule)
     assert error.batch_number == 1
     assert error.module_name == ""

@@ -99,7 +99,13 @@ def test_evaluation_is_not_counted_and_watched_only_when_asked(harness: ModuleTy
     # Neither stopped by the eval inf nor shifted by the eval forwards: training's own inf, at its own number.
     assert (error.phase, error.batch_number, error.module_name) == ("train", K, harness.FAULT_NAME)
     assert default.counters["eval_batch_number"] == 0
-    assert all(name.startswith(f"nanwatch-report-rank0-batch{K}.") for name in default.reports), default.reports
+    # The training detection's report, and the repro capsule of its culprit's call (block.fault's, captured by the
+    # cause's rerun); nothing of the eval forward's.
+    assert default.reports == [
+        f"nanwatch-capsule-rank0-batch{K}.pt",
+        *(f"nanwatch-report-rank0-batch{K}.{suffix}" for suffix in ("json", "jsonl", "txt")),
+    ]
+    assert error.capsule == str(report_dir(tmp_path / "default") / f"nanwatch-capsule-rank0-batch{K}.pt")
     frames = json.loads(_report(tmp_path / "default", f"nanwatch-report-rank0-batch{K}.json"))["frames"]
     assert {frame["phase"] for frame in frames} == {"train"}, "eval forwards were recorded"
     assert default.steps_done == K
@@ -172,8 +178,12 @@ def test_rank_1_only_under_two_process_ddp(harness: ModuleType, tmp_path: Path) 
     assert records[1]["error"]["module_name"] == harness.FAULT_NAME
     assert records[0]["error"]["module_name"] is None  # rank 0 saw nothing itself
     written = sorted(path.name for path in report_dir(tmp_path).iterdir())
-    assert f"nanwatch-report-rank1-batch{K}.txt" in written
-    assert all(name.startswith(f"nanwatch-report-rank1-batch{K}.") for name in written), written  # rank 1's only
+    # Rank 1's only: its report, and the repro capsule of its culprit's call (block.fault's, captured by the cause's
+    # rerun of the micro-batch, which runs the model inside DDP and issues no collective).
+    assert written == [
+        f"nanwatch-capsule-rank1-batch{K}.pt",
+        *(f"nanwatch-report-rank1-batch{K}.{suffix}" for suffix in ("json", "jsonl", "txt")),
+    ]
 
 
 def test_resume_from_a_checkpoint_keeps_counting_from_the_start(harness: ModuleType, tmp_path: Path) -> None:

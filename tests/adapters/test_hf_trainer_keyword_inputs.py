@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from tests.models import tiny_vit
+from tests.report_lines import cause_tail
 
 from nanwatch import NonFiniteError
 
@@ -58,4 +59,12 @@ def test_the_trainer_reports_a_nan_in_pixel_values_as_bad_input_data(tmp_path: P
         "nan entered through input.pixel_values of the top-level model (ViTForImageClassification)"
     )
     assert error.module_name == "vit.embeddings.patch_embeddings.projection"  # the first frame that holds it
-    assert error.report.endswith("\n\n" + error.culprit.message)
+    # The cause: the nan is in the micro-batch's pixel_values (each of the 4 images holds one, at [0, 3, 3]); no
+    # rerun, so no capsule (and no report_dir). Then the culprit line, the report's last.
+    assert error.cause is not None
+    assert (error.cause.kind, error.cause.module_name) == ("data", "")
+    assert error.cause.details["inputs"] == [
+        {"label": "input.pixel_values", "count": 4, "positions": [[i, 0, 3, 3] for i in range(4)]}
+    ]
+    assert error.capsule is None
+    assert error.report.splitlines()[-3:] == cause_tail(error)

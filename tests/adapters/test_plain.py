@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import torch
 from tests.models import Cast, Scale, small_mlp
+from tests.report_lines import cause_tail
 from torch import nn
 
 import nanwatch
@@ -69,8 +70,10 @@ def test_with_block_removes_every_hook_at_its_end() -> None:
     model = small_mlp()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     with watch(model, optimizer=optimizer) as handle:
-        # one per module (and its with_kwargs mark: keyword inputs are recorded), root pre/post, optimizer
-        assert _hook_count(model, optimizer) == 2 * FRAMES_PER_FORWARD + 2 + 2
+        # one per module (and its with_kwargs mark: keyword inputs are recorded), root pre/post, optimizer, and the
+        # cause feature's 2 on the root, which keep the micro-batch's forward call: a pre-hook with kwargs (2 entries)
+        # and an always-called forward hook with kwargs (3 entries)
+        assert _hook_count(model, optimizer) == 2 * FRAMES_PER_FORWARD + 2 + 2 + 5
         model(torch.randn(2, 4)).sum().backward()
         optimizer.step()
         handle.step()
@@ -251,11 +254,17 @@ def test_detection_error_carries_the_batch_module_and_report(tmp_path: Path) -> 
     assert "batch_number=2" in str(error)
     # 13 frames: the two clean batches (5 frames each), then batch 2 up to the Scale that made the inf.
     assert error.report.startswith("Detected inf/nan during batch_number=2\nLast 13 forward frames:\n")
-    # The frames end at the Scale, then a blank line and the culprit: the Scale made the nan from finite inputs.
+    # The frames end at the Scale, then a blank line, the cause, the repro capsule and the culprit: the Scale made
+    # the nan from finite inputs, and its factor (inf) makes it in float64 too: no dtype's range is to blame.
     assert error.report.endswith(
         "                  2 Scale\n0.00e+00 9.95e-02 input[0]\n     nan      nan output\n\n"
+        "cause: unknown: recomputed in float64 from the same inputs and weights the culprit is non-finite too: not a "
+        "matter of float32's range\n"
+        f"repro capsule: {tmp_path / 'nanwatch-capsule-rank0-batch2.pt'} (`nanwatch repro` runs the culprit alone; "
+        "see docs/why-nan.md)\n"
         "first non-finite value produced by 2 (Scale): inputs finite (abs max 9.95e-02), output nan (float32)"
     )
+    assert error.capsule == str(tmp_path / "nanwatch-capsule-rank0-batch2.pt")
 
 
 def test_report_dir_holds_text_and_json_before_the_error_propagates(tmp_path: Path) -> None:
@@ -377,11 +386,19 @@ def test_fp16_overflow_in_a_real_layer_is_caught() -> None:
         with pytest.raises(NonFiniteError) as info:
             handle.step()
     assert info.value.module_name == "2"
-    frame_text, culprit = info.value.report.split("                  2 Linear\n")[1].split("\n\n")
+    frame_text, footer = info.value.report.split("                  2 Linear\n")[1].split("\n\n")
     frame_lines = frame_text.splitlines()
     assert frame_lines[0] == "3.00e+02 3.00e+02 weight"
     assert frame_lines[-1].split()[1] == "inf"
-    assert culprit.startswith("first non-finite value produced by 2 (Linear): inputs finite (abs max 2.40e+02)")
+    # The cause (no report_dir: no capsule), then the culprit line.
+    assert footer.splitlines() == cause_tail(info.value)[1:]
+    assert info.value.cause is not None
+    assert (info.value.cause.kind, info.value.cause.module_name) == ("precision", "2")
+    # 8 * 240 * 300 = 576000 (and the bias): finite in float32
+    assert info.value.cause.details["needed_abs_max"] == pytest.approx(8 * 240 * 300, rel=1e-5)
+    assert footer.splitlines()[-1].startswith(
+        "first non-finite value produced by 2 (Linear): inputs finite (abs max 2.40e+02)"
+    )
 
 
 # -------------------------------------------------------------------------------------------------------- eval

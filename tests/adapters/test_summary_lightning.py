@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -66,14 +67,33 @@ def test_without_a_logger_the_summary_goes_to_the_nanwatch_logger(
 
 def test_scope_globs_apply_to_the_lightning_modules_names(tmp_path: Path) -> None:
     hooked: list[set[str]] = []
+    recorded: list[set[str]] = []
 
     class Probe(OverflowCallback):
         def on_train_start(self, trainer: object, pl_module: torch.nn.Module) -> None:
             hooked.append({name for name, m in pl_module.named_modules() if m._forward_hooks})
+            # The hooks that record frames; the others are always called: the cause feature's, which keep the
+            # micro-batch's forward calls on the LightningModule and its direct children (its training_step calls
+            # them), whatever the scope.
+            recorded.append(
+                {
+                    name
+                    for name, m in pl_module.named_modules()
+                    if set(m._forward_hooks) - set(m._forward_hooks_always_called)
+                }
+            )
 
+        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            assert self.watcher is not None
+            framed.update(frame.module_name for frame in self.watcher.recent_frames())
+            super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+
+    framed: set[str] = set()
     trainer = make_trainer(tmp_path, [Probe(include_modules=["*"], exclude_modules=["act", "blowup"])], max_epochs=1)
     trainer.fit(InjectingModule(), *loaders())
-    assert hooked == [{"inp", "out"}]
+    assert recorded == [{"inp", "out"}]
+    assert hooked == [{"", "act", "blowup", "inp", "out"}]
+    assert framed == {"inp", "out", "(loss)"}  # the cause feature's hooks add no frame
 
 
 def test_a_glob_matching_nothing_stops_fit_before_training(tmp_path: Path) -> None:

@@ -28,7 +28,7 @@ def test_no_command_is_one_error_line() -> None:
     result = subprocess.run([sys.executable, "-m", "nanwatch"], capture_output=True, text=True, timeout=120)
     assert (result.returncode, result.stdout) == (2, "")
     assert result.stderr == (
-        "nanwatch: no command given; the commands are demo, config, show, diff, plot, replay, doctor "
+        "nanwatch: no command given; the commands are demo, config, show, diff, plot, replay, repro, doctor "
         "(see nanwatch --help)\n"
     )
 

@@ -103,9 +103,14 @@ def test_the_adapter_given_modules_are_the_ones_matched() -> None:
     watcher = Watcher(model, WatchConfig(include_modules=["*"], exclude_modules=["encoder*"]))
     watcher.attach((name, module) for name, module in model.named_modules() if name)
     try:
-        assert hooked(model) == {"head", "head.dropout", "head.proj"}
+        # And the root: the cause feature's always-called hook, which keeps the forward's call (it records no frame).
+        assert hooked(model) == {"", "head", "head.dropout", "head.proj"}
+        assert set(model._forward_hooks) == set(model._forward_hooks_always_called)
+        model(torch.randn(2, 4))
+        assert {frame.module_name for frame in watcher.recent_frames()} == {"head", "head.dropout", "head.proj"}
     finally:
         watcher.close(check=False)
+    assert hooked(model) == set()
     with pytest.raises(ConfigError, match="pattern ''"):
         Watcher(model, WatchConfig(include_modules=[""])).attach(
             (name, module) for name, module in model.named_modules() if name

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -46,8 +48,11 @@ def test_attach_hooks_every_module_once_and_detach_removes_them() -> None:
     watcher = Watcher(model, WatchConfig())
     watcher.attach()
     assert watcher.attached
-    for module in model.modules():
-        assert len(module._forward_hooks) == 1
+    for name, module in model.named_modules():
+        # The root also carries the cause feature's 2 hooks, which keep the micro-batch's forward call: a pre-hook
+        # and an always-called forward hook.
+        assert len(module._forward_hooks) == (2 if name == "" else 1)
+        assert len(module._forward_hooks_always_called) == len(module._forward_pre_hooks) == (1 if name == "" else 0)
     with pytest.raises(RuntimeError, match="already attached"):
         watcher.attach()
     watcher.close(check=False)
@@ -323,13 +328,19 @@ def test_a_report_that_cannot_be_written_is_still_logged_and_raised(
     report_dir.rmdir()
     report_dir.write_text("a file where the report directory was")  # the folder went away after attach
     model(torch.ones(1))
-    with pytest.warns(NanwatchWarning, match="could not write the report"), pytest.raises(NonFiniteError) as info:
+    with pytest.warns(NanwatchWarning) as warned, pytest.raises(NonFiniteError) as info:
         watcher.end_batch()  # the detection is still raised: a full disk must not hide it
     assert info.value.report.startswith("Detected inf/nan during batch_number=0")
+    # Two files could not be written: the repro capsule of the culprit's call (the Scale's), and the report.
+    exists = FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST))
+    capsule = f"nanwatch could not write the repro capsule to {report_dir / 'nanwatch-capsule-rank0-batch0.pt'}"
+    report = f"nanwatch could not write the report to {report_dir}"
+    assert [str(warning.message) for warning in warned] == [f"{capsule}: {exists!r}", f"{report}: {exists!r}"]
+    assert info.value.capsule is None
     messages = [r.getMessage() for r in nanwatch_log.records]
     logged = next(i for i, m in enumerate(messages) if "Detected inf/nan during batch_number=0" in m)
-    warned = next(i for i, m in enumerate(messages) if "could not write the report" in m)
-    assert logged < warned  # logged before any file is tried
+    assert logged < messages.index(f"{report}: {exists!r}")  # logged before any file is tried
+    assert logged < messages.index(f"{capsule}: {exists!r}")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["reports"]  # no temporary file left behind
     watcher.close(check=False)
 

@@ -5,12 +5,15 @@ The replay of these files (`nanwatch replay`) is tested end to end in tests/test
 
 from __future__ import annotations
 
+import errno
 import gc
 import logging
+import os
 import sys
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -62,11 +65,18 @@ def _publish(watcher: Watcher) -> None:
     publish(watcher, report)
 
 
+def _hook_names(hooks: dict[int, Any], keys: Iterable[int]) -> list[str]:
+    """The qualified names of the methods behind the hooks `keys` of a module's hook dict (nanwatch wraps its own)."""
+    return [getattr(hooks[key], "func", hooks[key]).__qualname__ for key in keys]
+
+
 def test_off_it_adds_no_hook_and_writes_no_replay_file(tmp_path: Path) -> None:
     model = TinyNet()
     handle = nanwatch.watch(model, report_dir=tmp_path)
     assert handle.watcher.feature(ReplayCapture) is None
-    assert not model._forward_pre_hooks_with_kwargs
+    # The only pre-hook with kwargs is the cause feature's (it keeps the forward's call by reference); none is the
+    # capture's.
+    assert _hook_names(model._forward_pre_hooks, model._forward_pre_hooks_with_kwargs) == ["CallKeeper.before"]
     model(torch.full((4, 8), HUGE))
     with pytest.raises(NonFiniteError):
         handle.step()
@@ -78,8 +88,17 @@ def test_off_it_adds_no_hook_and_writes_no_replay_file(tmp_path: Path) -> None:
 def test_its_hooks_go_with_detach(tmp_path: Path) -> None:
     model = TinyNet()
     watcher = _watcher(model, tmp_path)
-    assert len(model._forward_pre_hooks_with_kwargs) == 1
-    assert len(model._forward_hooks) == 2  # the root's frame, then the capture's label
+    # The capture's pre-hook, after the cause feature's (which keeps the forward's call by reference).
+    assert _hook_names(model._forward_pre_hooks, model._forward_pre_hooks_with_kwargs) == [
+        "CallKeeper.before",
+        "ReplayCapture._before_forward",
+    ]
+    # The root's frame, the cause feature's (always called), then the capture's label.
+    assert _hook_names(model._forward_hooks, model._forward_hooks) == [
+        "ModuleHook.forward_hook",
+        "CallKeeper.after",
+        "ReplayCapture._after_forward",
+    ]
     watcher.close(check=False)
     assert not model._forward_pre_hooks_with_kwargs
     assert not model._forward_pre_hooks
@@ -172,9 +191,17 @@ def test_a_replay_file_that_cannot_be_written_never_hides_the_detection(tmp_path
     report_dir.rmdir()  # taken away after watching began (a folder on a volume that went away, say) ...
     report_dir.write_text("a file where report_dir should be a folder\n")  # ... and a file in its place
     model(torch.full((4, 8), HUGE))
-    with pytest.warns(NanwatchWarning, match="could not write the report"), pytest.raises(NonFiniteError) as info:
+    with pytest.warns(NanwatchWarning) as warned, pytest.raises(NonFiniteError) as info:
         handle.step()
     handle.close()
+    # Two warnings: the repro capsule of the culprit's call (written first, its path goes in the report), then the
+    # report itself; neither file could be written.
+    exists = FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST))
+    assert [str(warning.message) for warning in warned] == [
+        f"nanwatch could not write the repro capsule to {report_dir / 'nanwatch-capsule-rank0-batch0.pt'}: {exists!r}",
+        f"nanwatch could not write the report to {report_dir}: {exists!r}",
+    ]
+    assert info.value.capsule is None
     assert info.value.report.startswith("Detected inf/nan during batch_number=0")  # the report is in the error
     assert sorted(p.name for p in tmp_path.iterdir()) == ["reports"]  # no half-written or temporary file
     assert report_dir.read_text() == "a file where report_dir should be a folder\n"

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+from tests.report_lines import cause_tail
 from torch import nn
 
 import nanwatch
@@ -75,6 +76,9 @@ def test_gpt2_fp16_names_the_linear_whose_output_overflowed_not_its_parents() ->
     inputs = _abs_max_of_input(c_fc)
     ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
     error = _run_until_detection(model, [(ids,)])
+    # The run called c_fc once, and the test's own hook saw that call only: the cause's tests (a rerun of the
+    # micro-batch, the culprit recomputed) must not call the user's hooks.
+    assert len(inputs) == 1, inputs
     culprit = error.culprit
     assert culprit is not None
     assert (culprit.kind, culprit.module_name, culprit.class_name) == ("produced", "h.1.mlp.c_fc", "Conv1D")
@@ -88,13 +92,16 @@ def test_gpt2_fp16_names_the_linear_whose_output_overflowed_not_its_parents() ->
     # Its parents (h.1.mlp, h.1, the model) return the same inf later: they only passed it on.
     assert error.module_name == "h.1.mlp.c_fc"
     assert str(culprit) in str(error)
-    # After the frames and a blank line: the culprit line, then the values the same check saw near float16's max.
+    # After the frames and a blank line: the cause (no report_dir: no capsule), the culprit line, then the values the
+    # same check saw near float16's max.
+    assert error.cause is not None
+    assert (error.cause.kind, error.cause.module_name) == ("precision", "h.1.mlp.c_fc")
     footer = error.report.rsplit("\n\n", 1)[1].split("\n")
-    assert footer[:2] == [
-        culprit.message,
+    assert footer[:3] == [
+        *cause_tail(error)[1:],
         "numbers near their dtype's limits in the frames checked with this detection (batch_number=0):",
     ]
-    assert all(line.startswith("  ") for line in footer[2:])
+    assert all(line.startswith("  ") for line in footer[3:])
     assert any(
         line.startswith(f"  h.1.mlp.c_fc (Conv1D) weight: float16 abs max {weight_max:.2e}, ") for line in footer
     )
@@ -252,17 +259,24 @@ def test_culprit_travels_in_the_error_the_json_and_the_text(tmp_path: Path) -> N
     assert document["culprit"]["kind"] == "produced"
     assert document["culprit"]["module"] == "second.fc"
     text = (tmp_path / "nanwatch-report-rank0-batch0.txt").read_text()
-    assert text.endswith(
-        "\n\n" + culprit.message + "\n"
-        "numbers near their dtype's limits in the frames checked with this detection (batch_number=0):\n"
-        "  second.fc (Linear) weight: float32 abs max 1.00e+38, headroom 3.4x (1.8 bits) below its max 3.40e+38\n"
-    )
+    # The cause: second.fc's products pass float32's max from finite inputs and weights; its repro capsule.
+    assert error.cause is not None
+    assert (error.cause.kind, error.cause.module_name) == ("precision", "second.fc")
+    assert error.capsule == str(tmp_path / "nanwatch-capsule-rank0-batch0.pt")
+    assert document["cause"] == {**error.cause.to_dict(), "capsule": error.capsule}
+    assert text.splitlines()[-6:] == [
+        *cause_tail(error, error.capsule),
+        "numbers near their dtype's limits in the frames checked with this detection (batch_number=0):",
+        "  second.fc (Linear) weight: float32 abs max 1.00e+38, headroom 3.4x (1.8 bits) below its max 3.40e+38",
+    ]
+    assert text.endswith("\n")
     # The JSON Lines twin carries it too, so `nanwatch show` prints the same text.
     records = [json.loads(line) for line in (tmp_path / "nanwatch-report-rank0-batch0.jsonl").read_text().splitlines()]
     assert {record["report_culprit"] for record in records} == {culprit.message}
     # And the error survives pickling (multiprocessing, Lightning's spawn) with it.
     again = pickle.loads(pickle.dumps(error))
     assert again.culprit == culprit
+    assert (again.cause, again.capsule) == (error.cause, error.capsule)
 
 
 def test_a_backward_nan_names_the_backward_that_made_it() -> None:

@@ -27,6 +27,7 @@ from nanwatch.errors import JsonlError
 REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
+from tests.report_lines import capsule_line  # noqa: E402
 from tests.trace_models import Inject, run_amp_net, trace_path  # noqa: E402
 
 FIELDS = [
@@ -101,10 +102,16 @@ def test_report_jsonl_holds_one_record_per_line_of_the_text_report(tmp_path: Pat
     assert {record["kind"] for record in records} == {"report"}
     assert {record["report_batch"] for record in records} == {2}
     assert {record["report_module"] for record in records} == {"amp"}
-    # The frames end at the blank line before the culprit line, which every record carries.
-    body, culprit = text.rstrip("\n").split("\n\n")
+    # The frames end at the blank line before the footer: the cause, the repro capsule's line and the culprit line.
+    # Every record carries the footer, and the culprit line on its own.
+    body, footer = text.rstrip("\n").split("\n\n")
+    cause = json.loads((tmp_path / "nanwatch-report-rank0-batch2.json").read_text())["cause"]
+    assert (cause["kind"], cause["module"]) == ("precision", "amp")  # x * 1e5 passes float16's max: finite in float32
+    assert cause["capsule"] == str(tmp_path / "nanwatch-capsule-rank0-batch2.pt")
+    *ours, culprit = footer.splitlines()
+    assert ours == [f"cause: {cause['kind']}: {cause['evidence']}", capsule_line(cause["capsule"])]
     assert {record["report_culprit"] for record in records} == {culprit}
-    assert {record["report_footer"] for record in records} == {"\n\n" + culprit}
+    assert {record["report_footer"] for record in records} == {"\n\n" + footer}
     assert culprit.startswith("first non-finite value produced by amp (Amplify): inputs finite")
     tensor_lines = [line for line in body.splitlines()[3:] if not line.startswith(" " * 18)]
     assert len(records) == len(tensor_lines)
