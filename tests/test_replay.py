@@ -105,9 +105,9 @@ def _cause_lines(error: NonFiniteError) -> list[str]:
     assert error.culprit is not None
     lines = error.report.splitlines()
     culprit = lines.index(error.culprit.message)
-    assert error.capsule is not None
-    assert lines[culprit - 2 : culprit] == [f"cause: {error.cause}", capsule_line(error.capsule)]
-    return lines[culprit - 2 : culprit]
+    expected = [f"cause: {error.cause}"] + ([capsule_line(error.capsule)] if error.capsule is not None else [])
+    assert lines[culprit - len(expected) : culprit] == expected
+    return expected
 
 
 def _overflow_in_one_step(model: torch.nn.Module, handle: nanwatch.WatchHandle) -> None:
@@ -220,9 +220,15 @@ def test_python_replay_equals_the_original_frames_value_for_value(captured: Capt
         line for line in captured.error.report.splitlines() if line not in cause_lines
     ]
     # The same forward as the guarded run's (test_with_the_optimizer_guard_the_replay_matches_too), whose cause is
-    # precision: head's fp32 output overflowed from finite inputs (abs max 3.55e+35) and weights (7.23e+06).
+    # precision. Here the optimizer stepped before the check (no guard): the weights are no longer those the forward
+    # used, so the cause is not tested (a test on other weights would say something false), and no capsule is written.
     assert captured.error.cause is not None
-    assert (captured.error.cause.kind, captured.error.cause.module_name) == ("precision", "head"), captured.error.cause
+    assert (captured.error.cause.kind, captured.error.cause.module_name) == ("unknown", "head"), captured.error.cause
+    assert (
+        "the weights changed after the forward (an optimizer step ran before this check"
+        in captured.error.cause.evidence
+    )
+    assert captured.error.capsule is None
     assert result.report.module_name == captured.error.module_name
     assert [frame.batch_number for frame in result.frames] == [captured.error.batch_number] * len(result.frames)
     assert len(result.frames) == 14  # every module of TinyNet once, the root last

@@ -52,6 +52,7 @@ def test_every_file_of_a_report_dir_is_told_apart(report_dir: Path) -> None:
         f"{TRACE}.txt": Kind.TRACE_TEXT,
         f"{TRACE}.jsonl": Kind.TRACE_JSONL,
         "replay-rank0-batch2.pt": Kind.CAPTURE,
+        "nanwatch-capsule-rank0-batch2.pt": Kind.CAPSULE,
     }
     assert sniff(report_dir).kind is Kind.DIRECTORY
     assert sniff(report_dir / "nope.jsonl").kind is Kind.MISSING

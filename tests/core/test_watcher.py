@@ -331,11 +331,13 @@ def test_a_report_that_cannot_be_written_is_still_logged_and_raised(
     with pytest.warns(NanwatchWarning) as warned, pytest.raises(NonFiniteError) as info:
         watcher.end_batch()  # the detection is still raised: a full disk must not hide it
     assert info.value.report.startswith("Detected inf/nan during batch_number=0")
-    # Two files could not be written: the repro capsule of the culprit's call (the Scale's), and the report.
+    # Two files could not be written: the report, then the repro capsule of the culprit's call (the Scale's) that
+    # the report names, tried once the report is out.
     exists = FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST))
-    capsule = f"nanwatch could not write the repro capsule to {report_dir / 'nanwatch-capsule-rank0-batch0.pt'}"
+    path = report_dir / "nanwatch-capsule-rank0-batch0.pt"
+    capsule = f"nanwatch could not write the repro capsule {path} that the report names"
     report = f"nanwatch could not write the report to {report_dir}"
-    assert [str(warning.message) for warning in warned] == [f"{capsule}: {exists!r}", f"{report}: {exists!r}"]
+    assert [str(warning.message) for warning in warned] == [f"{report}: {exists!r}", f"{capsule}: {exists!r}"]
     assert info.value.capsule is None
     messages = [r.getMessage() for r in nanwatch_log.records]
     logged = next(i for i, m in enumerate(messages) if "Detected inf/nan during batch_number=0" in m)

@@ -39,6 +39,7 @@ class Kind(Enum):
     REPORT_TEXT = "report text"
     TRACE_TEXT = "trace text"
     CAPTURE = "replay capture"
+    CAPSULE = "repro capsule"
     TORCH = "torch.save file"
     JSON = "other JSON"
     TEXT = "other text"
@@ -138,6 +139,8 @@ def _sniff_zip(path: Path) -> Sniffed:
     if any(name == "data.pkl" or name.endswith("/data.pkl") for name in names):
         if path.name.startswith("replay-"):
             return Sniffed(Kind.CAPTURE, "a replay capture (capture_on_detect's torch.save file), not a report")
+        if path.name.startswith("nanwatch-capsule-"):
+            return Sniffed(Kind.CAPSULE, "a repro capsule (nanwatch repro runs its culprit alone), not a report")
         return Sniffed(Kind.TORCH, "a torch.save file (a zip of tensors), not a report")
     return Sniffed(Kind.BINARY, "a zip archive, not text")
 

@@ -194,12 +194,13 @@ def test_a_replay_file_that_cannot_be_written_never_hides_the_detection(tmp_path
     with pytest.warns(NanwatchWarning) as warned, pytest.raises(NonFiniteError) as info:
         handle.step()
     handle.close()
-    # Two warnings: the repro capsule of the culprit's call (written first, its path goes in the report), then the
-    # report itself; neither file could be written.
+    # Two warnings: the report itself, then the repro capsule of the culprit's call the report names (written once the
+    # report is out); neither file could be written.
     exists = FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST))
+    capsule = report_dir / "nanwatch-capsule-rank0-batch0.pt"
     assert [str(warning.message) for warning in warned] == [
-        f"nanwatch could not write the repro capsule to {report_dir / 'nanwatch-capsule-rank0-batch0.pt'}: {exists!r}",
         f"nanwatch could not write the report to {report_dir}: {exists!r}",
+        f"nanwatch could not write the repro capsule {capsule} that the report names: {exists!r}",
     ]
     assert info.value.capsule is None
     assert info.value.report.startswith("Detected inf/nan during batch_number=0")  # the report is in the error

@@ -39,6 +39,7 @@ from __future__ import annotations
 import enum
 import json
 import logging
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
@@ -405,7 +406,7 @@ class Arbiter:
             culprit=mine.culprit if mine is not None else None,
             replay=_replay_verdict(mine),
             cause=mine.cause if mine is not None else None,
-            capsule=mine.capsule if mine is not None else None,
+            capsule=_written(mine.capsule) if mine is not None else None,
         )
 
     def _message(self, mine: Report | None, agreed: Detection) -> str:
@@ -426,6 +427,11 @@ class Arbiter:
         after = f"The report above shows {shown}." if mine is not None else "See that rank's report."
         during = f"{counter_name(agreed.phase)}={agreed.batch_number}"
         return f"nanwatch: inf/nan detected during {during}{where}{first}. {after}"
+
+
+def _written(capsule: str | None) -> str | None:
+    """The capsule a report names, where it was written (a full disk leaves the report naming it, with a warning)."""
+    return capsule if capsule is not None and os.path.isfile(capsule) else None
 
 
 def _replay_verdict(report: Report | None) -> str | None:

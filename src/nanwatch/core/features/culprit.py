@@ -66,6 +66,7 @@ class Culprit:
     weights_abs_max: float | None = None
     own_code: bool = False
     seen_in: tuple[str, str] | None = None
+    backward: bool = False  # drawn from a backward frame: a gradient, not a forward value
 
     def __str__(self) -> str:
         return self.message
@@ -333,6 +334,7 @@ def _backward(frame: ResolvedFrame, earlier: Sequence[ResolvedFrame]) -> Culprit
         values=_value_kind(broken_out),
         message=f"first non-finite gradient produced by the backward of {where}: {received}, {_describe(broken_out)}",
         inputs_abs_max=incoming_max,
+        backward=True,
     )
 
 
@@ -357,6 +359,7 @@ def _unknown(frame: ResolvedFrame, entries: Sequence[ResolvedEntry], how: str, *
         values=values,
         message=message,
         seen_in=(frame.module_name, labels[0]) if labels else None,
+        backward=backward,
     )
 
 

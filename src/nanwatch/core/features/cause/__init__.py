@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +48,14 @@ _ORDER = 9
 _CALL_KEY = "culprit_call"
 
 
+@dataclass(frozen=True)
+class CapsuleDue:
+    """A capsule a report names, to write once that report is published."""
+
+    path: str
+    diagnosis: Diagnosis
+
+
 class CauseFeature(Feature):
     """Adds the `cause` section to every detection (and writes the repro capsule, with `report_dir`)."""
 
@@ -62,15 +71,19 @@ class CauseFeature(Feature):
         self._last_applied: int | None = None
         self._optimizer: weakref.ref[torch.optim.Optimizer] | None = None
         self.last_call: CulpritCall | None = None  # the culprit's call captured for the last detection
+        self._capsule_due: CapsuleDue | None = None  # the capsule the last report names, written once it is published
 
     def attach(self, ctx: EngineContext, modules: Sequence[tuple[str, torch.nn.Module]]) -> None:
         self._children_kept = False
         self._keeper = CallKeeper(ctx.model)
         if self._mode == "sentinel":  # the sentinel keeps the micro-batch; its replay's watch keeps the forward
             return
-        self._keep_calls_of(ctx, ctx.entry)
-        if hasattr(type(ctx.model), "training_step"):  # a LightningModule: its step calls its children
+        if hasattr(type(ctx.model), "training_step"):
+            # A LightningModule: its training_step calls its children (a call of the module itself, through a DDP
+            # wrapper, runs training_step: nothing a rerun can call again as it was called).
             self._keep_children(ctx)
+            return
+        self._keep_calls_of(ctx, ctx.entry)
 
     def _keep_calls_of(self, ctx: EngineContext, module: torch.nn.Module) -> None:
         ctx.hooks.add_handle(module.register_forward_pre_hook(self._keeper.before, with_kwargs=True))
@@ -150,20 +163,28 @@ class CauseFeature(Feature):
         return self._concluded(ctx, report, Diagnosis(replayed, call))
 
     def _concluded(self, ctx: EngineContext, report: Report, diagnosis: Diagnosis) -> Report:
-        """The report with its cause section, the capsule written first where a call was captured (`report_dir`)."""
+        """The report with its cause section, naming the capsule where a call was captured (`report_dir`): it is
+        written once the report is published (`on_publish`: after the report is logged and on disk, and only for a
+        report that is published, not a rank's own detection the ranks' agreement set aside)."""
         self.last_call = diagnosis.call
+        self._capsule_due = None
         capsule = None
         if diagnosis.call is not None and self._report_dir is not None:
-            capsule = self._write_capsule(ctx, report, diagnosis)
+            capsule = str(Path(str(self._report_dir)) / capsule_file_name(ctx.rank, report.batch_number, report.phase))
+            self._capsule_due = CapsuleDue(capsule, diagnosis)
         return report.with_section(cause_section(diagnosis.cause, capsule))
 
-    def _write_capsule(self, ctx: EngineContext, report: Report, diagnosis: Diagnosis) -> str | None:
-        call = diagnosis.call
+    def on_publish(self, ctx: EngineContext, report: Report) -> None:
+        due, self._capsule_due = self._capsule_due, None
+        if due is not None and report.capsule == due.path:
+            self._write_capsule(ctx, report, due)
+
+    def _write_capsule(self, ctx: EngineContext, report: Report, due: CapsuleDue) -> None:
+        call, path = due.diagnosis.call, due.path
         assert call is not None
         compiled = compile_info(ctx.entry, ctx.model)
-        path = Path(str(self._report_dir)) / capsule_file_name(ctx.rank, report.batch_number, report.phase)
         try:
-            written = write_capsule(
+            write_capsule(
                 path,
                 call.module,
                 call.args,
@@ -175,12 +196,10 @@ class CauseFeature(Feature):
                 module_name=getattr(report.culprit, "module_name", None) or "",
                 batch_number=report.batch_number,
                 rank=ctx.rank,
-                note=f"written by nanwatch for a detection; cause: {diagnosis.cause}",
+                note=f"written by nanwatch for a detection; cause: {due.diagnosis.cause}",
             )
-        except Exception as error:  # a full disk, a module that cannot be pickled: the report goes on without it
-            warn(f"nanwatch could not write the repro capsule to {path}: {error!r}")
-            return None
-        return str(written)
+        except Exception as error:  # a full disk, a module that cannot be pickled: the run goes on without it
+            warn(f"nanwatch could not write the repro capsule {path} that the report names: {error!r}")
 
     def _history(self) -> StepHistory:
         optimizer = self._optimizer() if self._optimizer is not None else None
@@ -190,13 +209,14 @@ class CauseFeature(Feature):
         return StepHistory(self._last_applied, rates)
 
     def close(self, ctx: EngineContext) -> None:
+        self._capsule_due = None
         self._keeper = CallKeeper(None)  # a closed watcher keeps nothing of the model
         self._optimizer = None
         self.last_call = None
 
 
 def cause_section(cause: Cause, capsule: str | None = None) -> ReportSection:
-    """The report's cause section: its line, its JSON (with the capsule's path when one was written), the `Cause`."""
+    """The report's cause section: its line, its JSON (with the path of the capsule it names), the `Cause`."""
     data = cause.to_dict()
     data["capsule"] = capsule
     lines: tuple[str, ...] = (f"cause: {cause}",)

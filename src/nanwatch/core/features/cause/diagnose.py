@@ -58,6 +58,11 @@ def diagnose(
     """
     kind = getattr(culprit, "kind", "unknown")
     name: str | None = getattr(culprit, "module_name", None)
+    if getattr(culprit, "backward", False):
+        return Diagnosis(
+            Cause("unknown", "the first non-finite value is a gradient, made in the backward: no test applies", name),
+            None,
+        )
     if kind == "loss":
         return Diagnosis(
             Cause("loss", "born outside the model: every watched module's outputs were finite, the loss was not"),

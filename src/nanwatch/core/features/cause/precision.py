@@ -16,8 +16,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map_only
 
 from nanwatch.core.features.cause.compiled import running_eagerly
+from nanwatch.core.features.cause.hooks import without_hooks
 from nanwatch.core.features.cause.records import CulpritCall
-from nanwatch.core.runstate import autocast_as
+from nanwatch.core.runstate import autocast_as, capture_rng_states, restore_rng_states
 
 __all__ = ["Inconclusive", "OpResult", "PrecisionFinding", "precision_test", "wider"]
 
@@ -63,6 +64,10 @@ class PrecisionFinding:
     first_op_needed: float | None
 
 
+# Ops that only allocate (their contents are whatever the memory held): never the op that went non-finite.
+_ALLOCATIONS = ("empty", "new_empty")
+
+
 class _OpRecorder(TorchDispatchMode):
     """Notes every op's floating-point results' largest magnitude, in order (only on a detection: it syncs)."""
 
@@ -70,6 +75,8 @@ class _OpRecorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
+        if str(func.overloadpacket.__name__).startswith(_ALLOCATIONS):  # uninitialised memory: nothing computed
+            return out
         floats = [leaf for leaf in tree_leaves(out) if isinstance(leaf, torch.Tensor) and leaf.is_floating_point()]
         if floats:
             finite = all(bool(torch.isfinite(leaf).all()) for leaf in floats)
@@ -88,7 +95,9 @@ class _Run:
 
 def _run(module: torch.nn.Module, call: CulpritCall, dtype: torch.dtype | None) -> _Run:
     """Run a copy of the culprit on copies of its inputs: as it ran (`dtype` None), or everything floating-point cast
-    to `dtype` with autocast off."""
+    to `dtype` with autocast off; from the random generators' state at the call (a dropout draws the same mask in
+    both runs), put back as they were afterwards. The copy runs without hooks: the user's are not called again."""
+    without_hooks(module)
     args, kwargs = tree_map_only(torch.Tensor, lambda tensor: tensor.clone(), (call.args, call.kwargs))
     with torch.no_grad():  # the state the call began in (a counter, running statistics), not the state after it
         for name, value in call.buffers.items():
@@ -100,8 +109,13 @@ def _run(module: torch.nn.Module, call: CulpritCall, dtype: torch.dtype | None) 
         )
     recorder = _OpRecorder()  # type: ignore[no-untyped-call]
     recorder.ops = []
-    with torch.no_grad(), running_eagerly(), autocast_as(call.autocast if dtype is None else {}), recorder:
-        output = module(*args, **kwargs)
+    callers = capture_rng_states(numpy=True)
+    try:
+        restore_rng_states(call.rng)
+        with torch.no_grad(), running_eagerly(), autocast_as(call.autocast if dtype is None else {}), recorder:
+            output = module(*args, **kwargs)
+    finally:
+        restore_rng_states(callers)
     floats = [leaf for leaf in tree_leaves(output) if isinstance(leaf, torch.Tensor) and leaf.is_floating_point()]
     return _Run(floats, recorder.ops)
 

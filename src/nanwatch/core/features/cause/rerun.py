@@ -17,6 +17,7 @@ import torch
 from torch.utils._pytree import tree_leaves, tree_map_only
 
 from nanwatch.core.features.cause.compiled import running_eagerly
+from nanwatch.core.features.cause.hooks import no_forward_hooks
 from nanwatch.core.features.cause.keeping import same_values
 from nanwatch.core.features.cause.records import CulpritCall, KeptCall
 from nanwatch.core.model_state import generators as own_generators
@@ -65,6 +66,11 @@ def rerun_culprit(calls: list[KeptCall], culprit: torch.nn.Module, hooks: HookSe
         raise NotRerun("no forward of this micro-batch was kept (it did not go through the watched model's call)")
     if any(call.changed() for call in calls):
         raise NotRerun("an input of the forward was changed in place after the call")
+    if any(call.weights_changed() for call in calls):
+        raise NotRerun(
+            "the weights changed after the forward (an optimizer step ran before this check: pass the optimizer to "
+            "nanwatch so the check comes first)"
+        )
     root = eager_module(calls[0].module)
     if sharded(root):
         raise NotRerun("the model's weights are sharded (FSDP): running it again would need collectives")
@@ -88,7 +94,17 @@ def _run_once(call: KeptCall, culprit: torch.nn.Module, hooks: HookSet) -> Culpr
         if not captured:
             buffers = {name: buffer.detach().clone() for name, buffer in module.named_buffers()}
             pending.append(
-                CulpritCall(culprit, _copied(args), _copied(kwargs), autocast_state(), None, True, None, buffers)
+                CulpritCall(
+                    culprit,
+                    _copied(args),
+                    _copied(kwargs),
+                    autocast_state(),
+                    None,
+                    True,
+                    None,
+                    buffers,
+                    capture_rng_states(),
+                )
             )
 
     def after(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
@@ -108,7 +124,14 @@ def _run_once(call: KeptCall, culprit: torch.nn.Module, hooks: HookSet) -> Culpr
         )
 
     root = eager_module(call.module)
-    with _leaves_no_trace(root), hooks.suspended(), running_eagerly(), autocast_as(call.autocast), torch.no_grad():
+    with (
+        _leaves_no_trace(root),
+        hooks.suspended(),
+        no_forward_hooks(root),
+        running_eagerly(),
+        autocast_as(call.autocast),
+        torch.no_grad(),
+    ):
         restore_rng_states(call.rng)
         for kept in call.buffers:  # the state the forward began in (put back after the run with everything else)
             kept.buffer.copy_(kept.saved)
