@@ -297,3 +297,72 @@ def test_a_graph_wrong_only_when_compiled_is_the_compiler() -> None:
     }
     assert "run eagerly in the same dtype (float32) gives a finite output" in cause.evidence
     assert "torch.compile backend='wrong_backend'" in cause.evidence
+
+
+class DropAmplify(nn.Module):
+    """Dropout, then a float16 gain past its range: a culprit whose test runs a dropout, which draws."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("gain", torch.full((), 64.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.dropout(x, 0.5, self.training) * self.gain
+
+
+def test_the_tests_call_no_hook_of_the_users_and_draw_nothing_from_the_runs_generators() -> None:
+    torch.manual_seed(0)
+    model = Net(DropAmplify()).half()
+    seen: list[str] = []
+    model.tail.register_forward_hook(lambda module, args, output: seen.append("tail"))
+    model.register_forward_pre_hook(lambda module, args: seen.append("model"))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    handle = nanwatch.watch(model, optimizer=optimizer)
+    model(torch.randn(8, 4).half() * 1e4).float().mean().backward()
+    torch_state, python_state = torch.get_rng_state(), random.getstate()
+    with pytest.raises(nanwatch.NonFiniteError) as caught:
+        optimizer.step()
+    handle.close()
+    cause = _cause(caught.value)
+    assert cause.kind == "precision", cause  # the rerun and both dtypes drew the forward's own dropout mask
+    assert cause.module_name == "tail"
+    assert seen == ["model", "tail"]  # the one forward of the run, not the rerun nor the precision test's copies
+    assert torch.equal(torch.get_rng_state(), torch_state)
+    assert random.getstate() == python_state
+
+
+def test_a_backward_culprit_is_not_tested_as_a_forward() -> None:
+    class NanGradient(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx: object, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+            return grad * float("nan")
+
+    class Bad(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            out: torch.Tensor = NanGradient.apply(x)
+            return out
+
+    error = _train(Net(Bad()), [torch.randn(4, 4)], watch_gradients=True)
+    cause = _cause(error)
+    assert cause.kind == "unknown", cause
+    assert cause.evidence == "the first non-finite value is a gradient, made in the backward: no test applies"
+
+
+@pytest.mark.filterwarnings("ignore:.*steps the watched model's weights unguarded.*")
+def test_weights_changed_by_an_unguarded_step_are_not_tested() -> None:
+    """The optimizer steps before the check (no guard, which nanwatch warns of): the weights are no longer the
+    forward's."""
+    torch.manual_seed(0)
+    model = Net(Amplify(8.0)).half()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with pytest.raises(nanwatch.NonFiniteError) as caught, nanwatch.watch(model) as handle:  # noqa: PT012
+        model(torch.randn(8, 4).half() * 1e4).float().mean().backward()
+        optimizer.step()
+        handle.step()
+    cause = _cause(caught.value)
+    assert cause.kind == "unknown", cause
+    assert "the weights changed after the forward (an optimizer step ran before this check" in cause.evidence
