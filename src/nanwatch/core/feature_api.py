@@ -188,6 +188,10 @@ class EngineContext(EngineState, Protocol):
     def watches_batch(self, batch_number: int) -> bool:
         """Whether training batch `batch_number` is recorded."""
 
+    def weights_changed(self) -> bool:
+        """Whether a watched weight changed in place since this micro-batch measured the weights (an optimizer step
+        that ran before the check); False where the weights were not measured this micro-batch."""
+
     def measure(self, tensor: torch.Tensor) -> Measurement:
         """Launch the run's statistics on a tensor (nothing remembered, no host sync)."""
 

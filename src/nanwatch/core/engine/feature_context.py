@@ -108,6 +108,10 @@ class EngineView:
     def watches_batch(self, batch_number: int) -> bool:
         return self._schedule.watched(batch_number)
 
+    def weights_changed(self) -> bool:
+        measured = self._cache.measured_batch
+        return measured is not None and not self._cache.unchanged(measured)
+
     def measure(self, tensor: torch.Tensor) -> Measurement:
         return self._cache.measure(tensor)
 

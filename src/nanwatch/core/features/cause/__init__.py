@@ -142,6 +142,7 @@ class CauseFeature(Feature):
                 hooks=ctx.hooks,
                 compiled=compile_info(ctx.entry, ctx.model),
                 steps=self._history(),
+                weights_changed=ctx.weights_changed(),
             )
         except Exception as error:  # the report matters more than its cause
             diagnosis = Diagnosis(Cause("unknown", f"the cause could not be tested: {error!r}"), None)

@@ -46,6 +46,7 @@ def diagnose(
     hooks: HookSet,
     compiled: CompileInfo | None,
     steps: StepHistory,
+    weights_changed: bool,
 ) -> Diagnosis:
     """The cause of the detection `culprit` (a `core/features/culprit.py` `Culprit`) names.
 
@@ -55,6 +56,7 @@ def diagnose(
         hooks: nanwatch's hooks, taken out of the way while the micro-batch runs again.
         compiled: how the model was compiled, or None when it ran eagerly.
         steps: the optimizer steps applied so far (a cause in the weights names the one that broke them).
+        weights_changed: a weight changed since the forward measured it (a rerun would run other weights).
     """
     kind = getattr(culprit, "kind", "unknown")
     name: str | None = getattr(culprit, "module_name", None)
@@ -88,7 +90,7 @@ def diagnose(
     except AttributeError:
         return Diagnosis(Cause("unknown", f"the culprit {name!r} is not a submodule of the model", name), None)
     try:
-        call = rerun_culprit(calls, module, hooks)
+        call = rerun_culprit(calls, module, hooks, weights_changed=weights_changed)
     except NotRerun as reason:
         return Diagnosis(Cause("unknown", f"the culprit could not be run again: {reason}", name), None)
     if call.output_finite:

@@ -34,7 +34,6 @@ class CallKeeper:
         self._learnt = False  # whether `_changing` was learnt (at the first forward)
         self._learning: list[KeptBuffer] = []  # during the first forward: every buffer, copied as it began
         self.names: dict[int, str] = {}  # the hooked modules other than the model, by id: their names in it
-        self._parameters: list[torch.nn.Parameter] | None = None  # the model's weights, listed at its first forward
 
     def before(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """A forward pre-hook (with keyword arguments): a call of a hooked module begins."""
@@ -54,11 +53,6 @@ class CallKeeper:
             if isinstance(leaf, torch.Tensor) and not leaf.is_inference()
         ]
         name = self.names.get(id(module))
-        if self._parameters is None and self._model is not None:
-            self._parameters = list(self._model.parameters())
-        weights: list[tuple[torch.Tensor, int]] = [
-            (param, param._version) for param in self._parameters or () if not param.is_inference()
-        ]
         self.calls.append(
             KeptCall(
                 module=module,
@@ -68,7 +62,6 @@ class CallKeeper:
                 autocast=autocast_state(),
                 versions=versions,
                 buffers=buffers,
-                parameters=weights,
                 name=name,
             )
         )
@@ -76,7 +69,7 @@ class CallKeeper:
     def after(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
         """A forward hook (always run, `always_call=True`): the call ended, or raised."""
         self._depth = max(0, self._depth - 1)
-        if self._depth or self._learnt or not self._learning:
+        if self._depth or self._learnt:
             return
         with torch.no_grad():
             self._changing = [kept.buffer for kept in self._learning if not same_values(kept.buffer, kept.saved)]

@@ -80,16 +80,11 @@ class KeptCall:
     autocast: dict[str, str]
     versions: list[tuple[torch.Tensor, int]]
     buffers: list[KeptBuffer]  # the buffers a forward changes, as they were at the call
-    parameters: list[tuple[torch.Tensor, int]] = field(default_factory=list)  # each weight's version counter then
     name: str | None = None  # the called module's name in the model, where it is not the model itself
 
     def changed(self) -> bool:
         """Whether an input tensor was changed in place since the call (its version counter moved)."""
         return any(tensor._version != version for tensor, version in self.versions)
-
-    def weights_changed(self) -> bool:
-        """Whether a weight was changed in place since the call (an optimizer step before the check)."""
-        return any(tensor._version != version for tensor, version in self.parameters)
 
 
 @dataclass(frozen=True)

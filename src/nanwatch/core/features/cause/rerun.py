@@ -54,7 +54,9 @@ def sharded(model: torch.nn.Module) -> bool:
     return any(type(module).__name__ == "FullyShardedDataParallel" for module in model.modules())
 
 
-def rerun_culprit(calls: list[KeptCall], culprit: torch.nn.Module, hooks: HookSet) -> CulpritCall:
+def rerun_culprit(
+    calls: list[KeptCall], culprit: torch.nn.Module, hooks: HookSet, *, weights_changed: bool
+) -> CulpritCall:
     """Run the kept calls again in order, eagerly, until the culprit's output comes out non-finite (else the last
     call in which it ran): its captured call.
 
@@ -66,7 +68,7 @@ def rerun_culprit(calls: list[KeptCall], culprit: torch.nn.Module, hooks: HookSe
         raise NotRerun("no forward of this micro-batch was kept (it did not go through the watched model's call)")
     if any(call.changed() for call in calls):
         raise NotRerun("an input of the forward was changed in place after the call")
-    if any(call.weights_changed() for call in calls):
+    if weights_changed:
         raise NotRerun(
             "the weights changed after the forward (an optimizer step ran before this check: pass the optimizer to "
             "nanwatch so the check comes first)"
