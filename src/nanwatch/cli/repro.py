@@ -32,7 +32,7 @@ def _run(args: argparse.Namespace) -> int:
     sniffed = sniff(path)
     if sniffed.kind is Kind.CAPTURE:
         raise CliError(f"{path} is {sniffed.what}", f"replay it with nanwatch replay {path} --model MODULE:FACTORY")
-    if sniffed.kind is not Kind.TORCH:
+    if sniffed.kind not in (Kind.TORCH, Kind.CAPSULE):  # a capsule by its name, or any torch file to check
         raise CliError(f"{path} is {sniffed.what}", _WHAT_TO_GIVE)
     # The console script, unlike `python -m`, does not put the current directory on the path; the module's class is
     # often defined in the project being debugged, and imported from there.

@@ -226,8 +226,9 @@ def new_net(scenario: Scenario, *, micro_batches_done: int = 0) -> ConformanceNe
     torch.manual_seed(0)
     net = ConformanceNet(scenario)
     net.fault.count = micro_batches_done
-    if scenario.cause == "compiler":
-        net.compile(backend=wrong_backend)
+    if scenario.cause == "compiler":  # the compiled module is what the framework calls (its attributes are the net's)
+        compiled: ConformanceNet = torch.compile(net, backend=wrong_backend)  # type: ignore[assignment]
+        return compiled
     return net
 
 

@@ -19,6 +19,8 @@ from nanwatch.core.runstate import autocast_state, capture_rng_states
 
 __all__ = ["CallKeeper", "same_values"]
 
+_compiling = torch.compiler.is_compiling
+
 # Calls kept at most between two checks (a loop that never ends its micro-batches would otherwise keep every one).
 MAX_KEPT = 16
 
@@ -37,6 +39,8 @@ class CallKeeper:
 
     def before(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """A forward pre-hook (with keyword arguments): a call of a hooked module begins."""
+        if _compiling():  # inside a graph torch.compile traces (a module compiled after watching began): not kept
+            return
         self._depth += 1
         if self._depth > 1 or len(self.calls) >= MAX_KEPT:  # a call inside a kept one, or too many kept
             return
@@ -68,6 +72,8 @@ class CallKeeper:
 
     def after(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
         """A forward hook (always run, `always_call=True`): the call ended, or raised."""
+        if _compiling():
+            return
         self._depth = max(0, self._depth - 1)
         if self._depth or self._learnt:
             return
