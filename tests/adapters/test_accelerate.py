@@ -281,8 +281,14 @@ def test_example_overflows_and_reports(tmp_path: Path) -> None:
     text = report.read_text()
     assert text.startswith(f"Detected inf/nan during batch_number={batch}\n")
     # The frames end at the loss's inf output; after a blank line, the culprit: the loss made it from finite inputs.
-    frames, culprit = text.rstrip().split("\n\n")
+    frames, trailing = text.rstrip().split("\n\n")
     assert frames.endswith("inf      inf output")
+    # After a blank line: the cause (the example overflows float16's range), the capsule written for it, then the
+    # culprit.
+    cause, capsule, culprit = trailing.splitlines()[:3]
+    assert cause.startswith("cause: precision: "), cause
+    assert "float16's range overflowed" in cause
+    assert capsule.startswith("repro capsule: "), capsule
     assert culprit.startswith("first non-finite value produced by loss_fn (MSELoss): inputs finite (abs max ")
     assert text.rstrip("\n") in done.stderr  # the same report was logged
 

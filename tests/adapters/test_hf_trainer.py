@@ -241,6 +241,12 @@ def test_the_example_overflows_in_float16_and_shows_the_report(tmp_path: Path) -
     report = (tmp_path / "reports" / f"nanwatch-report-rank0-batch{batch}.txt").read_text(encoding="utf-8")
     assert re.search(rf"^ +{re.escape(module)} \w+$", report, re.MULTILINE)  # the culprit's frame
     # The frames end at the culprit's inf output; after a blank line, the line naming the module that made it.
-    frames, culprit = report.rstrip().split("\n\n")
+    frames, trailing = report.rstrip().split("\n\n")
     assert frames.endswith(" inf output")
+    # After a blank line: the cause (the example overflows float16's range), the capsule written for it, then the
+    # culprit.
+    cause, capsule, culprit = trailing.splitlines()[:3]
+    assert cause.startswith("cause: precision: "), cause
+    assert "float16's range overflowed" in cause
+    assert capsule.startswith("repro capsule: "), capsule
     assert culprit.startswith(f"first non-finite value produced by {module} (")

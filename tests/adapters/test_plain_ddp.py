@@ -46,7 +46,10 @@ def test_only_rank_1_sees_inf_and_both_ranks_stop_before_the_step(tmp_path: Path
     reports = tmp_path / "reports"
     written = {path.name for path in reports.iterdir()}
     assert {"nanwatch-report-rank1-batch3.json", "nanwatch-report-rank1-batch3.txt"} <= written
-    assert all(name.startswith("nanwatch-report-rank1-batch3.") for name in written), written  # only rank 1's
+    # Only rank 1's: its report, and the capsule of its culprit's call.
+    assert all(
+        name.startswith(("nanwatch-report-rank1-batch3.", "nanwatch-capsule-rank1-batch3.")) for name in written
+    ), written
     text = (reports / "nanwatch-report-rank1-batch3.txt").read_text(encoding="utf-8")
     assert text.startswith("Detected inf/nan during batch_number=3 on rank 1\n")
     assert "blowup Blowup" in text
@@ -86,6 +89,12 @@ def test_the_plain_loop_example_overflows_in_float16_and_shows_the_report(tmp_pa
     report = (tmp_path / "reports" / f"nanwatch-report-rank0-batch{batch}.txt").read_text(encoding="utf-8")
     assert re.search(rf"^ +{re.escape(module)} \w+$", report, re.MULTILINE)  # the culprit's frame
     # The frames end at the culprit's inf output; after a blank line, the line naming the module that made it.
-    frames, culprit = report.rstrip().split("\n\n")
+    frames, trailing = report.rstrip().split("\n\n")
     assert frames.endswith(" inf output")
+    # After a blank line: the cause (the example overflows float16's range), the capsule written for it, then the
+    # culprit.
+    cause, capsule, culprit = trailing.splitlines()[:3]
+    assert cause.startswith("cause: precision: "), cause
+    assert "float16's range overflowed" in cause
+    assert capsule.startswith("repro capsule: "), capsule
     assert culprit.startswith(f"first non-finite value produced by {module} (")

@@ -62,7 +62,9 @@ def test_a_nan_on_rank_1_in_ddp_join_stops_both_ranks_with_its_batch_and_rank(tm
         assert (outcome["error"]["batch_number"], outcome["error"]["rank"]) == (2, 1)
         assert outcome["ran"] == 2  # micro-batch 2's step never ran, on either rank
         assert outcome["hooks_left"] == 0
-    assert _reports(tmp_path) == {f"nanwatch-report-rank1-batch2.{suffix}" for suffix in ("txt", "json", "jsonl")}
+    assert _reports(tmp_path) == {f"nanwatch-report-rank1-batch2.{suffix}" for suffix in ("txt", "json", "jsonl")} | {
+        "nanwatch-capsule-rank1-batch2.pt"  # the capsule of the culprit's call
+    }
     assert code != 0  # both ranks left join() on the error
 
 
@@ -74,7 +76,9 @@ def test_a_nan_after_the_other_rank_joined_is_reported_in_bounded_time(tmp_path:
     assert rank0 is not None, stderr[-3000:]
     assert (rank0["error"]["batch_number"], rank0["error"]["rank"]) == (5, 0)
     assert 3 <= rank0["error"]["after_s"] < 30
-    assert _reports(tmp_path) == {f"nanwatch-report-rank0-batch5.{suffix}" for suffix in ("txt", "json", "jsonl")}
+    assert _reports(tmp_path) == {f"nanwatch-report-rank0-batch5.{suffix}" for suffix in ("txt", "json", "jsonl")} | {
+        "nanwatch-capsule-rank0-batch5.pt"  # the capsule of the culprit's call
+    }
     # Rank 1 waits in torch's own shadow collective, which rank 0 leaving ends (a connection error): not a hang.
     assert set(failed_workers(stderr)) == {0, 1}
     assert code != 0
