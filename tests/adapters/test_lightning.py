@@ -298,7 +298,9 @@ def test_ddp_rank_1_detects_and_every_rank_stops(tmp_path: Path) -> None:
     assert records[1]["report"].startswith("Detected inf/nan during batch_number=3 on rank 1\n")
     assert records[0]["report"] == ""
     # Only the detecting rank writes a report (text, JSON and whatever other forms the core writes).
-    assert {path.name.split(".")[0] for path in (out / "reports").iterdir()} == {"nanwatch-report-rank1-batch3"}
+    # Rank 1's report, and the capsule of its culprit's call.
+    written = {path.name.split(".")[0] for path in (out / "reports").iterdir()}
+    assert written == {"nanwatch-report-rank1-batch3", "nanwatch-capsule-rank1-batch3"}
     assert (out / "reports" / "nanwatch-report-rank1-batch3.json").is_file()
     text = (out / "reports" / "nanwatch-report-rank1-batch3.txt").read_text(encoding="utf-8")
     assert text.rstrip("\n") == records[1]["report"]

@@ -141,4 +141,7 @@ def test_sentinel_rank_1_only_under_two_process_ddp(harness: ModuleType, tmp_pat
     written = sorted(path.name for path in report_dir(tmp_path).iterdir())
     report = (report_dir(tmp_path) / f"nanwatch-report-rank1-batch{K}.txt").read_text(encoding="utf-8")
     assert REPLAYED in report, report
-    assert all(name.startswith(f"nanwatch-report-rank1-batch{K}.") for name in written), written
+    # Rank 1's report, and the capsule of the culprit's call its replay captured.
+    assert all(
+        name.startswith((f"nanwatch-report-rank1-batch{K}.", f"nanwatch-capsule-rank1-batch{K}.")) for name in written
+    ), written
