@@ -366,3 +366,20 @@ def test_weights_changed_by_an_unguarded_step_are_not_tested() -> None:
     cause = _cause(caught.value)
     assert cause.kind == "unknown", cause
     assert "the weights changed after the forward (an optimizer step ran before this check" in cause.evidence
+
+
+def test_keeping_that_fails_never_fails_the_forward(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An input or state the keeping cannot handle stops the keeping, not the user's forward; the cause says why."""
+    from nanwatch.core.features.cause import keeping
+
+    def broken() -> None:
+        raise RuntimeError("cannot read this generator")
+
+    monkeypatch.setattr(keeping, "capture_rng_states", broken)
+    torch.manual_seed(0)
+    error = _train(Net(Amplify(8.0)).half(), [torch.randn(8, 4).half(), torch.randn(8, 4).half() * 1e4])
+    cause = _cause(error)
+    assert cause.kind == "unknown", cause
+    assert cause.evidence == (
+        "the micro-batch's forward could not be kept to run again: RuntimeError('cannot read this generator')"
+    )

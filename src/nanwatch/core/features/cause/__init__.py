@@ -134,6 +134,9 @@ class CauseFeature(Feature):
             return self._from_the_replay(ctx, report)
         if culprit is None:
             return report.with_section(cause_section(_untestable(report)))
+        if self._keeper.failed is not None and getattr(culprit, "kind", None) == "produced":
+            reason = f"the micro-batch's forward could not be kept to run again: {self._keeper.failed}"
+            return self._concluded(ctx, report, Diagnosis(Cause("unknown", reason, culprit.module_name), None))
         try:
             diagnosis = diagnose(
                 culprit,

@@ -35,12 +35,24 @@ class CallKeeper:
         self._changing: list[torch.Tensor] = []  # the buffers a forward changes: copied at each kept call
         self._learnt = False  # whether `_changing` was learnt (at the first forward)
         self._learning: list[KeptBuffer] = []  # during the first forward: every buffer, copied as it began
+        self.failed: str | None = None  # why keeping stopped (an input or buffer it could not handle), or None
         self.names: dict[int, str] = {}  # the hooked modules other than the model, by id: their names in it
 
     def before(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """A forward pre-hook (with keyword arguments): a call of a hooked module begins."""
-        if _compiling():  # inside a graph torch.compile traces (a module compiled after watching began): not kept
+        """A forward pre-hook (with keyword arguments): a call of a hooked module begins. Keeping never fails the
+        user's forward: an input or buffer it cannot handle stops the keeping (`failed` says why), not the run."""
+        if _compiling() or self.failed is not None:  # inside a graph torch.compile traces: not kept
             return
+        try:
+            self._before(module, args, kwargs)
+        except Exception as error:
+            self._fail(error)
+
+    def _fail(self, error: Exception) -> None:
+        self.failed = repr(error)
+        self.calls, self._learning = [], []
+
+    def _before(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         self._depth += 1
         if self._depth > 1 or len(self.calls) >= MAX_KEPT:  # a call inside a kept one, or too many kept
             return
@@ -72,13 +84,16 @@ class CallKeeper:
 
     def after(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
         """A forward hook (always run, `always_call=True`): the call ended, or raised."""
-        if _compiling():
+        if _compiling() or self.failed is not None:
             return
         self._depth = max(0, self._depth - 1)
         if self._depth or self._learnt:
             return
-        with torch.no_grad():
-            self._changing = [kept.buffer for kept in self._learning if not same_values(kept.buffer, kept.saved)]
+        try:
+            with torch.no_grad():
+                self._changing = [kept.buffer for kept in self._learning if not same_values(kept.buffer, kept.saved)]
+        except Exception as error:
+            self._fail(error)
         self._learnt, self._learning = True, []
 
     def clear(self) -> None:
