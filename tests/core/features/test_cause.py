@@ -383,3 +383,19 @@ def test_keeping_that_fails_never_fails_the_forward(monkeypatch: pytest.MonkeyPa
     assert cause.evidence == (
         "the micro-batch's forward could not be kept to run again: RuntimeError('cannot read this generator')"
     )
+
+
+def test_an_input_the_forward_changed_in_place_is_not_called_data() -> None:
+    class ScalesItsInput(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x.mul_(1e38)  # finite data, made inf by the forward itself, in place
+            out: torch.Tensor = self.linear(x)
+            return out
+
+    cause = _cause(_train(ScalesItsInput(), [torch.full((2, 4), 10.0)]))
+    assert cause.kind == "unknown", cause
+    assert "an input was changed in place after the call began" in cause.evidence

@@ -208,7 +208,14 @@ def _data(culprit: Any, calls: list[KeptCall]) -> Cause | None:
     if any(call.changed() for call in calls):
         if not said:
             return None
-        return Cause("data", f"{where}: {shown} (positions not known: an input was changed in place since)", "")
+        # The inputs are not what the call was given: the forward (or the loop) changed one in place, so whether it
+        # arrived non-finite or was made so in place cannot be told.
+        return Cause(
+            "unknown",
+            f"first seen in {shown} of the model, but an input was changed in place after the call began (by the "
+            "forward or the loop): whether it arrived non-finite cannot be told",
+            "",
+        )
     for call in calls:
         found = non_finite_inputs(call)
         if found:
