@@ -488,9 +488,9 @@ def test_a_failure_in_checking_disables_watching(monkeypatch: pytest.MonkeyPatch
     def broken(*args: object) -> bool:
         raise RuntimeError("simulated check bug")
 
-    # The batch check's one read, or with headroom checks on (the default) the feature's flags in that read.
+    # The batch check's fold (what its one read reads), or with headroom checks on (the default) the feature's flags.
     if headroom is None:
-        monkeypatch.setattr(nanwatch.core.engine.checker, "read_flags", broken)
+        monkeypatch.setattr(nanwatch.core.engine.checker, "fold", broken)
     else:
         monkeypatch.setattr(nanwatch.core.features.headroom.HeadroomMonitor, "screen", broken)
     with pytest.warns(NanwatchWarning, match="simulated check bug"):

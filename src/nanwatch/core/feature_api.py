@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from nanwatch.core.readouts import Readout, Summary
     from nanwatch.core.report import Report, ReportSection
     from nanwatch.core.stats.measure import Measurement
+    from nanwatch.core.stats.readback import Screened
     from nanwatch.core.torch_glue.hooks import HookSet
 
 __all__ = [
@@ -172,6 +173,11 @@ class EngineContext(EngineState, Protocol):
         feature's own flags tripped alone)."""
 
     @property
+    def decided_on_device(self) -> bool:
+        """At an optimizer step's "after": this step's check was handed to the optimizer as its `found_inf` and is
+        read when the next step is about to run (what it covers must be kept until then)."""
+
+    @property
     def tracing(self) -> bool:
         """True while the current batch is traced."""
 
@@ -255,8 +261,10 @@ class Feature:
 
     def screen(
         self, ctx: EngineContext, pending: Sequence[Frame], maxima: Mapping[tuple[Any, Any], torch.Tensor]
-    ) -> list[torch.Tensor]:
-        """Device flags (0-d bool tensors, True = fine) read with the check's one host read.
+    ) -> Sequence[Screened]:
+        """What this feature asks the check to look at, read with the check's one host read: 0-d bool flags (True =
+        fine), or values that are all finite when fine (a float tensor, or a list of 0-d float tensors: the check
+        folds every part of one dtype into one reduction, so hand over what was computed, not a flag made of it).
 
         Args:
             pending: the frames of this check.

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import inspect
+import weakref
 from itertools import repeat
 from operator import attrgetter, is_
 
 import torch
 
-__all__ = ["gradients_to_apply", "skips_this_step"]
+__all__ = ["gradients_to_apply", "hand_flag", "handed_flag", "skips_this_step", "take_back_flag", "takes_device_flag"]
+
+# The flag nanwatch handed each optimizer for the step under way (`hand_flag`), by optimizer, held weakly.
+_HANDED: weakref.WeakKeyDictionary[torch.optim.Optimizer, torch.Tensor] = weakref.WeakKeyDictionary()
 
 _grad_of = attrgetter("grad")
 
@@ -37,4 +42,46 @@ def skips_this_step(optimizer: torch.optim.Optimizer | None) -> bool:
     fused path only.
     """
     found_inf = getattr(optimizer, "found_inf", None) if optimizer is not None else None
+    if optimizer is not None and found_inf is not None and found_inf is _HANDED.get(optimizer):
+        return False  # nanwatch's own flag, left by a step that raised: not the scaler's word
     return isinstance(found_inf, torch.Tensor) and bool(found_inf.sum() > 0)
+
+
+def takes_device_flag(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether this optimizer skips its own update when handed a device-side `found_inf` (1.0: skip), as
+    `torch.amp.GradScaler` hands it: torch's fused optimizers, and any that declares `_step_supports_amp_scaling` and
+    reads `found_inf` as an attribute (not through the older `grad_scaler` keyword of its step)."""
+    if not getattr(optimizer, "_step_supports_amp_scaling", False):
+        return False
+    try:
+        return "grad_scaler" not in inspect.signature(optimizer.step).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def hand_flag(optimizer: torch.optim.Optimizer, flag: torch.Tensor) -> bool:
+    """Hand `flag` (a 0-d float32 tensor: 1.0 to skip, 0.0 to apply) to the optimizer for its next step, as the
+    GradScaler does; False (nothing handed) when a scaler already handed one this step. An attribute of this
+    optimizer object, for this step only (`take_back_flag`); never one of its class."""
+    if getattr(optimizer, "found_inf", None) is not None and not _ours(optimizer):
+        return False
+    optimizer.found_inf = flag  # type: ignore[attr-defined]
+    _HANDED[optimizer] = flag
+    return True
+
+
+def handed_flag(optimizer: torch.optim.Optimizer) -> torch.Tensor | None:
+    """The flag nanwatch handed this optimizer for the step under way, or None."""
+    return _HANDED.get(optimizer) if _ours(optimizer) else None
+
+
+def take_back_flag(optimizer: torch.optim.Optimizer) -> None:
+    """The step ran (or watching ends): the optimizer is left as it was found."""
+    if _ours(optimizer):
+        del optimizer.found_inf  # type: ignore[attr-defined]
+    _HANDED.pop(optimizer, None)
+
+
+def _ours(optimizer: torch.optim.Optimizer) -> bool:
+    flag = _HANDED.get(optimizer)
+    return flag is not None and getattr(optimizer, "found_inf", None) is flag

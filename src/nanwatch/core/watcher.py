@@ -27,6 +27,7 @@ from nanwatch.core.contract import AdapterContract
 from nanwatch.core.distributed.ranks import Detection, world_size_and_rank
 from nanwatch.core.engine.assembly import assemble
 from nanwatch.core.engine.counters import PHASES
+from nanwatch.core.engine.decided_on_device import DecidedOnDevice, skip_flag
 from nanwatch.core.engine.feature_context import Fixed
 from nanwatch.core.engine.held_model import Held
 from nanwatch.core.engine.nothing_recorded import nothing_recorded
@@ -37,6 +38,7 @@ from nanwatch.core.features import features_for
 from nanwatch.core.formats.files import prepare_report_dir
 from nanwatch.core.frames import ResolvedFrame, resolve
 from nanwatch.core.log import get_logger, warn
+from nanwatch.core.optimizers import hand_flag, handed_flag, take_back_flag, takes_device_flag
 from nanwatch.core.readouts import GradScalerLike, Summary, checked_scaler
 from nanwatch.core.report import Report
 from nanwatch.core.rewinds import Restorer, Rewind, RewindPoint
@@ -100,6 +102,7 @@ class Watcher(WatcherReads):
         self._schedule, self._cache, self._counters = parts.schedule, parts.cache, parts.counters
         self._features, self._recorder, self._checker = parts.features, parts.recorder, parts.checker
         self._publisher, self._arbiter, self._rewinder = parts.publisher, parts.arbiter, parts.rewinder
+        self._on_device: DecidedOnDevice | None = None  # a step's check its optimizer decided, read at the next
         self._update_recording()
 
     # ------------------------------------------------------------------------------------ the adapter contract
@@ -133,6 +136,8 @@ class Watcher(WatcherReads):
         """`AdapterContract.close` (core/contract.py)."""
         report = None
         try:
+            if self._on_device is not None:
+                self._conclude_at_close()
             if check and self._disabled_reason is None:
                 report = self._checker.check_safely()
                 if report is not None:
@@ -156,6 +161,20 @@ class Watcher(WatcherReads):
         finally:
             self._let_go()
         return report
+
+    def _conclude_at_close(self) -> None:
+        """The last step's check, decided on the device: concluded now, held (published) for `close` to return or
+        raise; under skip, listed as the step it skipped."""
+        decided, self._on_device = self._on_device, None
+        assert decided is not None
+        with self._counters.as_of(decided.counters):
+            try:
+                report = self._checker.conclude_safely(decided.launched, decided.values())
+            finally:
+                take_back_flag(decided.optimizer)
+            self._arbiter.detect(report)
+            if self._arbiter.skips:
+                self._arbiter.settle(hold=False, before_step=decided.optimizer, applied_nothing=True)
 
     def _let_go(self) -> None:
         """Closed: hold nothing of the model any more (the modules, the compiled path's adapter hooks, the cache's
@@ -266,11 +285,17 @@ class Watcher(WatcherReads):
             if optimizer is not None:
                 self._guarded_optimizers.add(optimizer)
             return
+        if stage == "before":
+            self._conclude_on_host()  # the last step's check, decided on the device: read now that this one is queued
         self._features.dispatch("on_optimizer_step", stage, optimizer)
         if stage == "before":
-            self._settle(hold=False, before_step=optimizer)
-        elif stage == "after" and optimizer_step is KEEP:
-            self._counters.count_optimizer_step()
+            if optimizer is None or not self._decide_on_device(optimizer):
+                self._settle(hold=False, before_step=optimizer)
+        elif stage == "after":
+            if optimizer is not None:
+                take_back_flag(optimizer)
+            if optimizer_step is KEEP:
+                self._counters.count_optimizer_step()
 
     def watch_loss(self, loss: torch.Tensor) -> None:
         """Record a loss computed outside the watched modules as a frame of its own (module `(loss)`)."""
@@ -350,6 +375,59 @@ class Watcher(WatcherReads):
         step."""
         self._arbiter.detect(self._checker.check_safely())
         self._arbiter.settle(hold=hold and self._guarded, wait=wait, before_step=before_step)
+
+    @property
+    def decided_on_device(self) -> bool:
+        """`EngineContext.decided_on_device` (core/feature_api.py)."""
+        return self._on_device is not None
+
+    def _decide_on_device(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Sentinel mode before the step of an optimizer that takes `found_inf`: the check's flag goes to it, and the
+        host reads the check when the next step is about to run (core/engine/decided_on_device.py). False where the
+        host must decide now: other modes and optimizers, several ranks (they agree at the step, through the store),
+        `on_detect="rewind"`, a GradScaler's flag already handed, a detection held or found early."""
+        if (
+            self.config.mode != "sentinel"
+            or self.world_size != 1
+            or self.config.on_detect == "rewind"
+            or self._disabled_reason is not None
+            or self._arbiter.held is not None
+            or self._checker.found_early
+            or not takes_device_flag(optimizer)
+            or handed_flag(optimizer) is None
+            and getattr(optimizer, "found_inf", None) is not None
+        ):
+            return False
+        try:
+            if any(feature.held(self._features.ctx) is not None for feature in self._features):
+                return False  # concluded now, by the host
+            launched = self._checker.launch(take=True)
+            flag = skip_flag(launched)
+            handed = flag is not None and hand_flag(optimizer, flag)
+            if handed:
+                self._on_device = DecidedOnDevice.start(launched, optimizer, self._counters.snapshot())
+        except Exception as error:  # our bookkeeping must never kill a healthy run
+            take_back_flag(optimizer)
+            self.disable(f"checking the recorded frames failed: {error!r}")
+            return True
+        if not handed:  # several devices: the host decides, now
+            self._arbiter.detect(self._checker.conclude_safely(launched))
+            self._arbiter.settle(hold=False, before_step=optimizer)
+        return True
+
+    def _conclude_on_host(self) -> None:
+        """Read and conclude the check an optimizer decided on the device a step ago: as of that step, a detection is
+        reported, raised or listed as skipped (the optimizer applied nothing; the step's gradients are gone)."""
+        decided, self._on_device = self._on_device, None
+        if decided is None:
+            return
+        with self._counters.as_of(decided.counters):
+            try:
+                report = self._checker.conclude_safely(decided.launched, decided.values())
+            finally:
+                take_back_flag(decided.optimizer)
+            self._arbiter.detect(report)
+            self._arbiter.settle(hold=False, before_step=decided.optimizer, applied_nothing=True)
 
     def _micro_batch_raised(self) -> None:
         resume_collection()  # the micro-batch ends here

@@ -7,6 +7,7 @@ import gc
 import math
 import weakref
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -14,10 +15,10 @@ import torch
 from nanwatch.core.frames import Entry, Frame, RecordedFrame, Role, resolve
 from nanwatch.core.report import format_entry
 from nanwatch.core.stats.cache import StatsCache
-from nanwatch.core.stats.grouped import MagnitudePlan
+from nanwatch.core.stats.grouped import MagnitudePlan, StackPlan, as_vector
 from nanwatch.core.stats.kernels import FLOAT8_DTYPES, count_non_finite
 from nanwatch.core.stats.measure import Measurement, measure
-from nanwatch.core.stats.readback import holds_non_finite, read_flags
+from nanwatch.core.stats.readback import fold, holds_non_finite, read_back, read_flags
 
 
 def find_non_finite(frames: list[Frame]) -> bool:
@@ -471,9 +472,52 @@ def test_read_flags_names_the_owners_of_the_flags_that_tripped() -> None:
     assert read_flags([]) == []
 
 
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_fold_names_what_tripped_among_values_vectors_and_flags_of_several_dtypes(bad: float) -> None:
+    """Values (signed, as a min is), vectors and bool flags, float32 and bfloat16: one summary to read, a level of 0
+    or nan per dtype, and the owners of exactly the parts that tripped."""
+    fine32 = [torch.tensor(-3.0), torch.tensor(2.0)]
+    bad32 = [torch.tensor(1.0), torch.tensor(bad)]
+    vector16 = torch.tensor([0.5, bad, 7.0], dtype=torch.bfloat16)
+    parts = [
+        (fine32, "fine"),
+        (bad32, "bad values"),
+        (vector16, "bad vector"),
+        (torch.tensor([1.0, 2.0], dtype=torch.bfloat16), "fine vector"),
+        (torch.tensor(True), "fine flag"),
+        (torch.tensor(False), "tripped flag"),
+    ]
+    [folded] = fold(parts)
+    levels = folded.summary.tolist()
+    assert len(levels) == 3  # float32, bfloat16, the flags
+    assert all(math.isnan(level) for level in levels)
+    assert read_flags(parts) == ["bad values", "bad vector", "tripped flag"]
+    clean = [(fine32, "fine"), (torch.tensor([1.0, 2.0]), "fine vector"), (torch.tensor(True), "fine flag")]
+    assert fold(clean)[0].summary.tolist() == [0.0, 0.0]
+    assert read_flags(clean) == []
+
+
+def test_fold_of_one_dtype_is_three_device_ops_however_many_parts() -> None:
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        ops: list[str] = []
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            if "view" not in func.__name__ and "reshape" not in func.__name__:
+                self.ops.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    parts = [([torch.tensor(float(i)) for i in range(50)], "a"), ([torch.tensor(-1.0), torch.tensor(2.0)], "b")]
+    with Count() as count:
+        fold(parts)
+    assert [op.split(".")[0] for op in count.ops] == ["stack", "mul_", "sum"]
+
+
+@pytest.mark.parametrize("many", [False, True], ids=["few: two foreach ops", "many: stacked"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
 @pytest.mark.parametrize("bad", [None, math.nan, math.inf, -math.inf])
-def test_magnitude_plan_gives_abs_amax_stacked_or_alone(dtype: torch.dtype, bad: float | None) -> None:
+def test_magnitude_plan_gives_abs_amax_stacked_or_alone(dtype: torch.dtype, bad: float | None, many: bool) -> None:
     torch.manual_seed(0)
     # Small tensors of one shape are stacked together (the bad value in the middle one), the large one is alone, and
     # a second dtype's tensors are combined apart.
@@ -485,9 +529,14 @@ def test_magnitude_plan_gives_abs_amax_stacked_or_alone(dtype: torch.dtype, bad:
         small[1][2, 3] = bad
         large[12_345] = bad
     tensors = [small[0], large, other[0], small[1], one_of_a_shape, other[1], small[2]]
-    groups = MagnitudePlan(tensors).launch(tensors)
+    # Many tiny tensors on the CPU (a model of thousands of layers): stacked, not looped over one by one.
+    tensors += [torch.randn(2, dtype=dtype) for _ in range(300 if many else 0)]
+    plan = MagnitudePlan(tensors)
+    assert plan.stacked == many
+    groups = plan.launch(tensors)
     found: dict[int, torch.Tensor] = {}
-    for indices, vector in groups:
+    for indices, values in groups:
+        vector = as_vector(values)
         assert vector.shape == (len(indices),)
         found.update(zip(indices, vector.unbind(), strict=True))
     assert sorted(found) == list(range(len(tensors)))  # each tensor once
@@ -497,3 +546,33 @@ def test_magnitude_plan_gives_abs_amax_stacked_or_alone(dtype: torch.dtype, bad:
         assert value.shape == ()
         assert value.dtype == tensor.dtype
         assert torch.equal(value, expected) or (value.isnan() and expected.isnan()), (tensor.shape, value, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bad", [None, math.nan, math.inf, -math.inf])
+def test_a_plan_measures_stacked_gathered_and_lone_tensors_as_measure_does(
+    dtype: torch.dtype, bad: float | None
+) -> None:
+    """A model's parameters measured together: small ones of a shape stacked, larger ones of a dtype gathered into
+    multi-tensor ops (six for all of them), the rest alone; every number what `measure()` gives for the tensor."""
+    torch.manual_seed(0)
+    small = [torch.randn(3, 5, dtype=dtype) for _ in range(3)]
+    larger = [torch.randn(70_000 + 1_000 * index, dtype=dtype) - index for index in range(5)]
+    larger.append(torch.randn(300, 400, dtype=dtype).abs())  # no sign change: its abs min is its min
+    lone = [torch.randn(80_000, dtype=torch.float64), torch.arange(70_000)]
+    if bad is not None:
+        larger[2][4_321] = bad
+    tensors = [small[0], larger[0], lone[0], *larger[1:], small[1], lone[1], small[2]]
+    plan = StackPlan(tensors)
+    assert len(plan.gathered) == 1
+    assert sorted(plan.gathered[0][0]) == sorted(i for i, t in enumerate(tensors) if any(t is x for x in larger))
+    together = read_back(plan.measure())
+    for tensor, measurement in zip(tensors, plan.measure(), strict=True):
+        alone = measure(tensor)
+        assert measurement.shape == alone.shape
+        expected = read_back([alone])[id(alone)].range
+        found = read_back([measurement])[id(measurement)].range
+        assert (found == expected) or (math.isnan(found[1]) and math.isnan(expected[1])), (tensor.shape, found)
+        if math.isnan(expected[1]):
+            assert math.isnan(found[0])  # a nan max means a nan min, whichever way it was reduced
+    assert len(together) == len(tensors)

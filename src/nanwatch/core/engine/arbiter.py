@@ -126,6 +126,7 @@ class Arbiter:
         self._max_skips = max_consecutive_skips
         self._report_dir = report_dir
         self._about_to_step: torch.optim.Optimizer | None = None  # set while settling before its step
+        self._applied_nothing = False  # set while settling a step its optimizer was told to skip on the device
         self.skipped_in_a_row = 0
         self.skipped: list[dict[str, object]] = []  # every skipped micro-batch, as the skip list has it
 
@@ -155,13 +156,23 @@ class Arbiter:
         if self._board is None or kind_of(report) == "frames":
             self._publish_held()
 
-    def settle(self, *, hold: bool, wait: bool = True, before_step: torch.optim.Optimizer | None = None) -> None:
+    def settle(
+        self,
+        *,
+        hold: bool,
+        wait: bool = True,
+        before_step: torch.optim.Optimizer | None = None,
+        applied_nothing: bool = False,
+    ) -> None:
         """Raise on every rank if this rank or another detected inf/nan; keep holding when `hold` (the adapter
         checks before each optimizer step, where ranks will meet). `before_step`: the optimizer about to step, whose
-        step `on_detect="skip"` skips instead of raising."""
+        step `on_detect="skip"` skips instead of raising. `applied_nothing`: that step ran already, told by nanwatch's
+        `found_inf` to apply nothing where anything was inf/nan (core/engine/decided_on_device.py): a skip has
+        nothing left to clear."""
         self._about_to_step, skipped_before = before_step, len(self.skipped)
+        self._applied_nothing = applied_nothing
         # Fused optimizers are called for a step the GradScaler skips, told so by `found_inf`.
-        scaler_skips = before_step is not None and skips_this_step(before_step)
+        scaler_skips = before_step is not None and not applied_nothing and skips_this_step(before_step)
         try:
             if before_step is not None and self.skips:
                 self._drop_if_the_scaler_skipped_its_step()
@@ -173,6 +184,7 @@ class Arbiter:
                 self._settle(hold, wait)
         finally:
             self._about_to_step = None
+            self._applied_nothing = False
         if before_step is not None and len(self.skipped) == skipped_before and not scaler_skips:  # this step applies
             self.skipped_in_a_row = 0
 
@@ -315,9 +327,10 @@ class Arbiter:
             )
         ):
             self._publish_held()
-        for group in optimizer.param_groups:  # nothing to apply: the optimizer leaves every parameter as it is
-            for param in group["params"]:
-                param.grad = None
+        if not self._applied_nothing:  # (else: told on the device, it applied nothing; the gradients are the next's)
+            for group in optimizer.param_groups:  # nothing to apply: the optimizer leaves every parameter as it is
+                for param in group["params"]:
+                    param.grad = None
         self._held, self._published = None, False
         self.skipped_in_a_row += 1
         if self._board is not None and not voted:

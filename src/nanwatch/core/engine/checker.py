@@ -8,9 +8,8 @@ report; a report ends at the first non-finite frame and goes back as far as `max
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from itertools import filterfalse
-
-import torch
 
 from nanwatch.core.config import WatchConfig
 from nanwatch.core.engine.counters import Counters
@@ -21,12 +20,23 @@ from nanwatch.core.feature_api import EngineContext, Feature
 from nanwatch.core.frames import Frame, FrameRing, ResolvedFrame, resolve
 from nanwatch.core.report import Report, ReportSection
 from nanwatch.core.stats.cache import StatsCache
-from nanwatch.core.stats.readback import read_flags, stack_maxima
+from nanwatch.core.stats.readback import Folded, Screened, fold, read_flags, stack_maxima
 from nanwatch.core.torch_glue.gcpause import resume_collection
 
 __all__ = ["Checker"]
 
 _is_deferred = DeferredFrame.__instancecheck__  # (no subclasses)
+
+
+@dataclass(frozen=True, slots=True)
+class Launched:
+    """A check's first half: the frames it covers and what it looks at, folded on the device, not read yet.
+
+    `taken`: the frames left the recorder at launch (the check concludes later, while new frames are recorded)."""
+
+    pending: list[Frame]
+    folded: list[Folded[Feature | None]]
+    taken: bool = False
 
 
 class Checker:
@@ -63,6 +73,7 @@ class Checker:
         # A detection found when a loop that never ends its batches let the pending frames pile up, checked early
         # (`check_early`): raised at the next check, where ranks can meet, rather than from inside a hook.
         self._found_early: Report | None = None
+        self._context: list[Frame] | None = None  # while a check taken from the recorder concludes: its frames
         recorder.when_full = self.check_early  # a micro-batch too long to wait for its end
 
     @property
@@ -91,30 +102,73 @@ class Checker:
             self._disable(f"checking the recorded frames failed: {error!r}")
             return None
 
+    @property
+    def found_early(self) -> bool:
+        """A detection found by an early check waits for the next check."""
+        return self._found_early is not None
+
+    def conclude_safely(self, launched: Launched, values: Sequence[Sequence[float]] | None = None) -> Report | None:
+        """`conclude`, judged by the features; a failure in nanwatch itself disables watching (`check_safely`)."""
+        try:
+            report = self.conclude(launched, values)
+            for feature in self._features:
+                if report is None:
+                    break
+                report = feature.judge(self._ctx, report, launched.pending)
+            return report
+        except Exception as error:
+            self._disable(f"checking the recorded frames failed: {error!r}")
+            return None
+
     def check(self) -> Report | None:
         """Look at the frames recorded since the last check (one host read per device); a report if any holds
         inf/nan. Clean frames move into the ring."""
+        return self.conclude(self.launch())
+
+    def launch(self, *, take: bool = False) -> Launched:
+        """The first half of a check: everything it looks at, folded on the device (no host sync). `take`: the
+        pending frames leave the recorder now (a check concluded later, once more work is queued)."""
         pending = self._recorder.pending
         self._recorder.judge_probes()
         if pending and not self.batch_recorded:
             self.batch_recorded = any(frame.module_name != "(loss)" for frame in pending)
-        non_finite, tripped = self.screen(pending, features=True)
+        launched = Launched(pending, fold(self._parts(pending, features=True)), taken=take)
+        if take:
+            self._recorder.pending = []
+        return launched
+
+    def conclude(self, launched: Launched, values: Sequence[Sequence[float]] | None = None) -> Report | None:
+        """The second half: read the folded summaries (or take `values`, read already), review what tripped, commit
+        the clean frames or report."""
+        pending = launched.pending
+        if values is None:
+            values = [folded.summary.tolist() for folded in launched.folded]
+        tripped = [
+            owner for folded, read in zip(launched.folded, values, strict=True) for owner in folded.tripped(read)
+        ]
+        non_finite = None in tripped
         # Only a micro-batch whose forward was recorded can say its forward was finite (not one that
         # watch_every_n_batches or include_modules left unwatched, nor one whose hooks are gone).
         self.frames_finite = not non_finite and self.batch_recorded
-        found = None
-        for feature in tripped:  # a feature's own flag: it reads what it needs, warns, or reports (the guard)
-            if non_finite and not feature.detects:
-                continue
-            report = feature.review(self._ctx, pending)
-            if report is not None:  # several findings: one report, every section
-                found = report if found is None else found.with_sections(report.sections)
-        if not non_finite:
-            self._commit(pending)
-            return found
-        self._recorder.take_pending()
-        self._cache.forget_activations()
-        report = self.report_of(pending)
+        self._context = pending if launched.taken else None
+        try:
+            found = None
+            for feature in dict.fromkeys(owner for owner in tripped if owner is not None):
+                # A feature's own flag: it reads what it needs, warns, or reports (the guard).
+                if non_finite and not feature.detects:
+                    continue
+                report = feature.review(self._ctx, pending)
+                if report is not None:  # several findings: one report, every section
+                    found = report if found is None else found.with_sections(report.sections)
+            if not non_finite:
+                self._commit(pending, taken=launched.taken)
+                return found
+            if not launched.taken:
+                self._recorder.take_pending()
+            self._cache.forget_activations()
+            report = self.report_of(pending)
+        finally:
+            self._context = None
         if report is not None and found is not None:  # the frames lead; the features' findings come with them
             report = report.with_sections(found.sections)
         return report or found
@@ -129,6 +183,11 @@ class Checker:
 
     def screen(self, frames: Sequence[Frame], *, features: bool) -> tuple[bool, list[Feature]]:
         """Whether any float abs max in `frames` is inf/nan, and which features' flags tripped: one read per device."""
+        tripped = read_flags(self._parts(frames, features=features))
+        return None in tripped, [owner for owner in tripped if owner is not None]
+
+    def _parts(self, frames: Sequence[Frame], *, features: bool) -> list[tuple[Screened, Feature | None]]:
+        """What a check looks at: the frames' float abs maxima (owner None) and each feature's own parts."""
         settled = self._recorder.settled if frames is self._recorder.pending else None
         if settled is not None and settled.stacks:
             # The frames made from deferred calls are not read line by line: their outputs' stacks whole, their
@@ -143,11 +202,10 @@ class Checker:
             maxima = stack_maxima(measurements + deferred, whole)
         else:
             maxima = stack_maxima(entry.measurement for frame in frames for entry in frame.entries if entry.measurement)
-        flags: list[tuple[torch.Tensor, Feature | None]] = [(torch.isfinite(s).all(), None) for s in maxima.values()]
+        parts: list[tuple[Screened, Feature | None]] = [(stacked, None) for stacked in maxima.values()]
         for feature in self._features if features else ():
-            flags += [(flag, feature) for flag in feature.screen(self._ctx, frames, maxima)]
-        tripped = read_flags(flags)
-        return None in tripped, list(dict.fromkeys(owner for owner in tripped if owner is not None))
+            parts += [(part, feature) for part in feature.screen(self._ctx, frames, maxima)]
+        return parts
 
     def report_of(self, frames: Sequence[Frame]) -> Report | None:
         """The report of `frames` (read back), ending at the first non-finite frame, earlier frames from the ring."""
@@ -170,7 +228,9 @@ class Checker:
 
     def detection_report(self, section: ReportSection, module_name: str | None) -> Report:
         """A detection a feature made from its own flags: the latest frames for context, and the feature's section."""
-        frames = (self.ring.frames() + self._recorder.pending)[-self._config.max_frames_to_save :]
+        # A check concluded a step late: its own frames, not those recorded since.
+        latest = self._recorder.pending if self._context is None else self._context
+        frames = (self.ring.frames() + latest)[-self._config.max_frames_to_save :]
         counters = self._counters
         return self._report(counters.last_batch, counters.phase, module_name, resolve(frames), (section,))
 
@@ -194,8 +254,9 @@ class Checker:
             sections=sections,
         )
 
-    def _commit(self, frames: list[Frame]) -> None:
+    def _commit(self, frames: list[Frame], *, taken: bool = False) -> None:
         self.ring.extend(frames)
         self._features.dispatch("on_commit", frames)  # references only
-        self._recorder.pending = []
-        self._cache.forget_activations()
+        if not taken:
+            self._recorder.pending = []
+            self._cache.forget_activations()

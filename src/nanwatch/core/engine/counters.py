@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import operator
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any, Generic, NamedTuple, SupportsIndex, TypeVar, cast, overload
 
 import torch
@@ -105,6 +106,26 @@ class Counters:
             self.batch_started = False
         else:
             self.eval_batch_number += 1
+
+    def snapshot(self) -> dict[str, Any]:
+        """Everything a report or an error reads of where the run is: what `as_of` puts back for a while."""
+        return {**self.state_dict(), "phase": self.phase, "batch_started": self.batch_started}
+
+    @contextlib.contextmanager
+    def as_of(self, snapshot: Mapping[str, Any]) -> Iterator[None]:
+        """The counters as they were at `snapshot` inside the block (a check made then, concluded now), as they are
+        after it."""
+        now = self.snapshot()
+        self._put(snapshot)
+        try:
+            yield
+        finally:
+            self._put(now)
+
+    def _put(self, snapshot: Mapping[str, Any]) -> None:
+        self.load_state_dict(snapshot)
+        self.phase = snapshot["phase"]
+        self.batch_started = snapshot["batch_started"]
 
     def state_dict(self) -> dict[str, Any]:
         return {

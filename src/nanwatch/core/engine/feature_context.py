@@ -46,6 +46,8 @@ class Facade(Protocol):
     @property
     def guarded(self) -> bool: ...
     @property
+    def decided_on_device(self) -> bool: ...
+    @property
     def disabled_reason(self) -> str | None: ...
     @property
     def summary_sink(self) -> Callable[[Summary], None] | None: ...
@@ -91,6 +93,7 @@ class EngineView:
     model = property(lambda self: self._facade.model)
     entry = property(lambda self: self._facade.entry)
     guarded = property(lambda self: self._facade.guarded)
+    decided_on_device = property(lambda self: self._facade.decided_on_device)
     disabled_reason = property(lambda self: self._facade.disabled_reason)
     summary_sink = property(lambda self: self._facade.summary_sink)
     # What the parts hold.

@@ -26,7 +26,8 @@ from nanwatch.core.frames import Frame
 from nanwatch.core.optimizers import gradients_to_apply, skips_this_step
 from nanwatch.core.readouts import GRADIENT_MAXIMUM, Readout
 from nanwatch.core.report import Report, ReportSection
-from nanwatch.core.stats.grouped import MagnitudePlan
+from nanwatch.core.stats.grouped import MagnitudePlan, as_vector
+from nanwatch.core.stats.readback import Screened
 from nanwatch.core.stats.sharded import local_shards
 from nanwatch.core.torch_glue.hooks import clean_name
 
@@ -45,7 +46,8 @@ class GradientGuard(Feature):
         # Launched at the step, read by the next check: the parameters, and their gradients' largest magnitudes as
         # (indices into the parameters, one device vector) pairs.
         self._launched: _Launched | None = None
-        self._screened: _Launched | None = None
+        self._screened: _Launched | None = None  # the magnitudes of this check (the readout), if it launched any
+        self._under_review: _Launched | None = None  # the last magnitudes launched, until a check reviews them
         self._plans = _Plans()
         self._loss_batch: tuple[str, int] | None = None  # the micro-batch whose loss was handed to watch_loss last
 
@@ -54,7 +56,8 @@ class GradientGuard(Feature):
         self._names = {id(param): clean_name(name) for name, param in named}  # no FSDP1 `_fsdp_wrapped_module.`
 
     def close(self, ctx: EngineContext) -> None:
-        self._launched = self._screened = None  # they hold the parameters: a closed watcher lets the model go
+        # They hold the parameters: a closed watcher lets the model go.
+        self._launched = self._screened = self._under_review = None
         self._plans = _Plans()
 
     def on_loss(self, ctx: EngineContext, loss: torch.Tensor) -> None:
@@ -71,15 +74,13 @@ class GradientGuard(Feature):
 
     def screen(
         self, ctx: EngineContext, pending: Sequence[Frame], maxima: Mapping[tuple[Any, Any], torch.Tensor]
-    ) -> list[torch.Tensor]:
+    ) -> Sequence[Screened]:
         launched, self._launched = self._launched, None
         self._screened = launched
         if launched is None:
             return []
-        by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-        for _, vector in launched[1]:
-            by_kind.setdefault((vector.device, vector.dtype), []).append(vector)
-        return [torch.isfinite(torch.cat(vectors)).all() for vectors in by_kind.values()]
+        self._under_review = launched  # until reviewed, or replaced: a check decided on the device is read a step late
+        return [values for _, values in launched[1]]  # the check folds them with the rest: no op of the guard's
 
     def readouts(self) -> Mapping[Readout[Any], Callable[[], Any]]:
         return {GRADIENT_MAXIMUM: self._largest}
@@ -88,16 +89,16 @@ class GradientGuard(Feature):
         """The largest magnitude among the gradients of the step being checked (device, no sync), or None."""
         if self._screened is None or not self._screened[1]:
             return None
-        return torch.stack([vector.float().amax() for _, vector in self._screened[1]]).amax()
+        return torch.stack([as_vector(values).float().amax() for _, values in self._screened[1]]).amax()
 
     def review(self, ctx: EngineContext, pending: Sequence[Frame]) -> Report | None:
-        screened, self._screened = self._screened, None
+        screened, self._under_review = self._under_review, None
         if screened is None:
             return None
         params, groups = screened
         values = [0.0] * len(params)
-        for indices, vector in groups:  # the slow path: a few transfers, once a flag tripped
-            for index, value in zip(indices, vector.tolist(), strict=True):
+        for indices, found in groups:  # the slow path: a few transfers, once a flag tripped
+            for index, value in zip(indices, as_vector(found).tolist(), strict=True):
                 values[index] = float(value)
         named = [
             (self._name(param, index), value) for index, (param, value) in enumerate(zip(params, values, strict=True))
@@ -157,7 +158,7 @@ def backward_note(watch_gradients: bool, *, loss_recorded: bool = True) -> str:
     )
 
 
-_Groups = list[tuple[list[int], torch.Tensor]]
+_Groups = list[tuple[list[int], Screened]]
 _Launched = tuple[list[torch.Tensor], _Groups]
 
 
@@ -205,7 +206,7 @@ class _Plans:
             grad = grads[index]
             data = grad.coalesce().values() if grad.is_sparse else grad
             value = data.abs().amax() if data.numel() else torch.zeros((), device=grad.device, dtype=grad.dtype)
-            groups.append(([index], value.reshape(1)))
+            groups.append(([index], [value]))
         return groups
 
 

@@ -39,7 +39,11 @@ class AbsRange(Statistic):
         return abs_aminmax
 
     def read(self, row: Sequence[Number]) -> Values:
-        return (row[0], row[1])  # ints stay ints (integer tensors), floats keep every digit
+        # ints stay ints (integer tensors), floats keep every digit. A nan max means a nan min, as a float min
+        # propagates nan (the magnitudes reduced as integers leave that to this read: kernels.py).
+        if isinstance(row[1], float) and math.isnan(row[1]):
+            return (math.nan, math.nan)
+        return (row[0], row[1])
 
     def format(self, values: Values) -> str | None:
         abs_min, abs_max = values

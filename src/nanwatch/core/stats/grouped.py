@@ -18,13 +18,18 @@ import torch
 from nanwatch.core.stats.measure import ExtraKernels, Measurement, StackedMeasurement, measure, measure_extras
 from nanwatch.core.stats.output_rows import DtypeRows, Rows
 
-__all__ = ["StackPlan", "measure_together", "MagnitudePlan"]
+__all__ = ["StackPlan", "measure_together", "MagnitudePlan", "as_vector"]
 
 # measure_together(): tensors of up to this many elements are stacked with others of their shape and dtype; a stack
 # holds up to _STACK_ELEMENTS elements (so its copy stays small), larger tensors are measured one by one (their
 # kernels dominate their launch cost anyway).
 _STACK_MAX_NUMEL = 1 << 16
 _STACK_ELEMENTS = 1 << 22
+# StackPlan: the larger tensors are gathered in groups of up to this many elements (their magnitudes' temporary copy:
+# 128 MiB of float32 at most).
+_GATHER_ELEMENTS = 1 << 25
+# MagnitudePlan on the CPU: up to this many tensors, two per-tensor loops in C (`_foreach_*`); more are stacked.
+_FOREACH_MAX_TENSORS = 256
 _STACKED_DTYPES = frozenset((torch.float32, torch.float16, torch.bfloat16, torch.float64))
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
@@ -46,6 +51,7 @@ class StackPlan:
         # The dtypes it was made for: a tensor whose dtype changed since (`.data` replaced by `model.half()`) needs
         # a new plan.
         self.dtypes = [tensor.dtype for tensor in self.tensors]
+        self.shapes = [tuple(tensor.shape) for tensor in self.tensors]
         self.stacks: list[tuple[list[torch.Tensor], torch.dtype, torch.Size]] = []
         self.alone: list[int] = []
         groups: dict[tuple[torch.device, torch.dtype, torch.Size], list[int]] = {}
@@ -60,7 +66,7 @@ class StackPlan:
                 groups.setdefault((tensor.device, tensor.dtype, tensor.shape), []).append(index)
             else:
                 self.alone.append(index)
-        self.members: list[list[int]] = []  # each stack's tensors, by index
+        self.members: list[list[int]] = []  # each stack's tensors, by index (then each gathered group's)
         for (_device, dtype, shape), indices in groups.items():
             if len(indices) < 2:
                 self.alone += indices
@@ -70,6 +76,33 @@ class StackPlan:
                 chunk = indices[start : start + per_stack]
                 self.stacks.append(([self.tensors[index] for index in chunk], dtype, shape))
                 self.members.append(chunk)
+        # The larger plain floating-point tensors, of one device and dtype, measured together by multi-tensor ops
+        # (`_gathered_rows`): a handful of launches for all of them, not two or three each.
+        self.gathered: list[tuple[list[int], torch.dtype]] = []
+        kinds: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+        for index in self.alone:
+            tensor = self.tensors[index]
+            if (
+                type(tensor) in _PLAIN
+                and tensor.dtype in _STACKED_DTYPES
+                and tensor.layout is torch.strided
+                and not tensor.is_meta
+                and 0 < tensor.numel() <= _GATHER_ELEMENTS
+            ):
+                kinds.setdefault((tensor.device, tensor.dtype), []).append(index)
+        for (_device, dtype), indices in kinds.items():
+            group: list[int] = []
+            elements = 0
+            for index in indices:  # groups of at most _GATHER_ELEMENTS elements: a bounded temporary
+                numel = self.tensors[index].numel()
+                if group and elements + numel > _GATHER_ELEMENTS:
+                    self._gather(group, dtype)
+                    group, elements = [], 0
+                group.append(index)
+                elements += numel
+            self._gather(group, dtype)
+        gathered = {index for chunk, _ in self.gathered for index in chunk}
+        self.alone = [index for index in self.alone if index not in gathered]
         # Where each tensor's measurement is: (stack, row), or (-1, its place among those measured alone).
         self.places: list[tuple[int, int]] = [(-1, 0)] * len(self.tensors)
         for number, chunk in enumerate(self.members):
@@ -77,6 +110,11 @@ class StackPlan:
                 self.places[index] = (number, row)
         for position, index in enumerate(self.alone):
             self.places[index] = (-1, position)
+
+    def _gather(self, group: list[int], dtype: torch.dtype) -> None:
+        if len(group) > 3:  # fewer are measured one by one: two or three ops each, against six for the group
+            self.gathered.append((group, dtype))
+            self.members.append(group)
 
     def measure(self, kernels: ExtraKernels = ()) -> list[Measurement]:
         """The measurements, in the order of the tensors given. Raises RuntimeError when a stacked tensor changed its
@@ -100,12 +138,30 @@ class StackPlan:
                 stacks.append(DtypeRows(Rows(columns.amin(0), columns.amax(0)), dtype))
                 if kernels:
                     extras.append([measure_extras(tensor.detach(), kernels) for tensor in stack])
+            for chunk, dtype in self.gathered:
+                members = [self.tensors[index] for index in chunk]
+                if any(tuple(member.shape) != self.shapes[index] for member, index in zip(members, chunk, strict=True)):
+                    raise RuntimeError("a gathered tensor changed its shape")  # a new plan: its lines say its shape
+                stacks.append(DtypeRows(_gathered_rows(members), dtype))
+                if kernels:
+                    extras.append([measure_extras(tensor.detach(), kernels) for tensor in members])
         alone = [measure(self.tensors[index], kernels) for index in self.alone]
         found = PlanMeasurements(self, stacks, alone)
         for number, stack_extras in enumerate(extras):  # launched now: the extra statistics of each stacked tensor
             for row, extra in enumerate(stack_extras):
                 found.stacked(number, row).extra = extra
         return found, stacks, alone
+
+
+def _gathered_rows(tensors: list[torch.Tensor]) -> Rows:
+    """Each tensor's abs min and abs max, exactly (min and max propagate nan), in six device ops for all of them: one
+    temporary of their magnitudes, negated in place for the minima (the largest negated magnitude is minus the
+    smallest). Raises RuntimeError when a tensor no longer fits (a new plan is made then)."""
+    magnitudes = torch._foreach_abs(tensors)
+    highs = torch.stack(torch._foreach_max(magnitudes))
+    torch._foreach_neg_(magnitudes)
+    lows = torch.stack(torch._foreach_max(magnitudes)).neg_()
+    return Rows(lows, highs)
 
 
 class PlanMeasurements(Sequence[Measurement]):
@@ -115,7 +171,7 @@ class PlanMeasurements(Sequence[Measurement]):
 
     def __init__(self, plan: StackPlan, stacks: list[DtypeRows], alone: list[Measurement]) -> None:
         self._places, self._members = plan.places, plan.members
-        self._shapes = [tuple(shape) for _, _, shape in plan.stacks]
+        self._shapes = plan.shapes
         self._stacks = stacks
         self._alone = alone
         self._made: list[Measurement | None] = [None] * len(plan.places)
@@ -143,7 +199,7 @@ class PlanMeasurements(Sequence[Measurement]):
         found = self._made[index]
         if found is None:
             rows, dtype = self._stacks[number]
-            found = self._made[index] = StackedMeasurement(rows, row, dtype, self._shapes[number])
+            found = self._made[index] = StackedMeasurement(rows, row, dtype, self._shapes[index])
         assert isinstance(found, StackedMeasurement)
         return found
 
@@ -152,12 +208,16 @@ class MagnitudePlan:
     """How to take the largest |value| of each tensor of a list (a model's gradients, in the order of its parameters),
     made once and used at every step while the tensors keep their shapes and dtypes.
 
-    `launch(tensors)` gives `(indices, vector)` pairs: `vector[k]` is the largest magnitude of `tensors[indices[k]]`,
-    inf or nan as soon as one of its values is; no host sync, and no Python object per tensor (the check reads the
-    vectors whole). Tensors must be plain, strided and non-empty. On an accelerator one `_foreach_norm(inf)`, a
-    multi-tensor kernel there, takes them all. On the CPU that is a slow per-tensor kernel (about five times an
-    `aminmax` over the same tensor), so each tensor's min and max are taken in one pass (both propagate nan, and an
-    inf shows in one of them), small tensors of one dtype and shape stacked together first.
+    `launch(tensors)` gives `(indices, values)` pairs: `values[k]` (a list of 0-d tensors, or a vector) is the largest
+    magnitude of `tensors[indices[k]]`, inf or nan as soon as one of its values is; no host sync, and no Python object
+    per tensor that the check has to stack again (it folds the lists into its own reduction). Tensors must be plain,
+    strided and non-empty.
+
+    Few device ops, whatever the number of tensors: on an accelerator one `_foreach_norm(inf)` (a multi-tensor kernel
+    there) takes them all. On the CPU that op is a slow per-tensor kernel (about seven times the `abs` and `max`
+    below), so a `_foreach_abs` and a `_foreach_max` take them (both per-tensor loops in C, vectorised). Only many
+    small tensors on the CPU (a model of thousands of tiny layers, where even a loop in C costs microseconds per
+    tensor) are stacked by dtype and shape first, and each stack reduced in one go.
     """
 
     def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
@@ -166,7 +226,15 @@ class MagnitudePlan:
         self.stacks: list[list[int]] = []
         self.alone: list[int] = []
         self._takes: list[operator.itemgetter[Any]] = []
-        if self.accelerated:
+        # The tensors' kinds, by index: one list of magnitudes per (device, dtype), as the check folds them.
+        self._kinds: list[list[int]] = []
+        kinds: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+        for index, tensor in enumerate(tensors):
+            kinds.setdefault((tensor.device, tensor.dtype), []).append(index)
+        self._kinds = list(kinds.values())
+        self._kinds_of = list(map(_kind_of, tensors))
+        self.stacked = not self.accelerated and len(tensors) > _FOREACH_MAX_TENSORS
+        if not self.stacked:
             return
         groups: dict[tuple[torch.dtype, torch.Size], list[int]] = {}
         for index, tensor in enumerate(tensors):
@@ -182,18 +250,20 @@ class MagnitudePlan:
             self.stacks += [indices[start : start + per_stack] for start in range(0, len(indices), per_stack)]
         self._takes = [operator.itemgetter(*chunk) for chunk in self.stacks]  # each stack's tensors, taken in C
 
-    def launch(self, tensors: Sequence[torch.Tensor]) -> list[tuple[list[int], torch.Tensor]]:
+    def launch(self, tensors: Sequence[torch.Tensor]) -> list[tuple[list[int], torch.Tensor | Sequence[torch.Tensor]]]:
         """The magnitudes. Raises RuntimeError when a stacked tensor's shape changed since the plan was made."""
         if len(tensors) != self.size:
             raise RuntimeError(f"planned for {self.size} tensors, given {len(tensors)}")
         with torch.no_grad():
-            if self.accelerated:
-                norms = torch._foreach_norm(list(tensors), math.inf)
-                by_kind: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-                for index, norm in enumerate(norms):
-                    by_kind.setdefault((norm.device, norm.dtype), []).append(index)
-                return [(indices, torch.stack([norms[i] for i in indices])) for indices in by_kind.values()]
-            found = []
+            if not self.stacked:
+                if self.accelerated:
+                    magnitudes = torch._foreach_norm(list(tensors), math.inf)
+                else:
+                    magnitudes = torch._foreach_max(torch._foreach_abs(list(tensors)))
+                if list(map(_kind_of, tensors)) != self._kinds_of:  # a dtype or device changed: the lists would mix
+                    raise RuntimeError("a tensor changed its dtype or device")
+                return [(indices, [magnitudes[i] for i in indices]) for indices in self._kinds]
+            found: list[tuple[list[int], torch.Tensor | Sequence[torch.Tensor]]] = []
             for chunk, take in zip(self.stacks, self._takes, strict=True):
                 # One column per tensor: amin/amax down the columns run as long vector passes (see StackPlan).
                 columns = torch.stack(take(tensors)).view(len(chunk), -1).t()
@@ -209,3 +279,11 @@ class MagnitudePlan:
                     pairs = torch.stack(ends).view(-1, 2).abs_()
                     found.append((indices, pairs.amax(1)))
             return found
+
+
+_kind_of = operator.attrgetter("device", "dtype")
+
+
+def as_vector(values: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
+    """Magnitudes as one vector (the slow path's read): a list of 0-d tensors stacked."""
+    return values.reshape(-1) if isinstance(values, torch.Tensor) else torch.stack(list(values))

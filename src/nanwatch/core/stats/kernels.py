@@ -116,11 +116,11 @@ def abs_aminmax(data: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def _as_magnitudes(
     int_range: tuple[torch.Tensor, torch.Tensor], dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The (min, max) of magnitudes reduced as integers, back as floats, exactly as a float aminmax gives them."""
+    """The (min, max) of magnitudes reduced as integers, back as floats: the numbers a float aminmax gives, except that
+    with a nan among them the min is a number where a float min is nan (the max is nan either way: its bits are the
+    largest). `AbsRange.read` makes that min nan as it is read: no device op more per tensor for it."""
     low, high = int_range
-    high = high.view(dtype)
-    # A nan makes `high` nan; minimum() passes it on, as a float min() would have.
-    return torch.minimum(low.view(dtype), high), high
+    return low.view(dtype), high.view(dtype)
 
 
 def values_of(data: torch.Tensor) -> torch.Tensor:

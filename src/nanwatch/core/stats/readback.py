@@ -7,9 +7,10 @@ traced frame). `stack_maxima` and `read_flags` make the batch check one host rea
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Generic, TypeVar
 
 import torch
 
@@ -18,7 +19,7 @@ from nanwatch.core.stats.measure import Measurement, StackedMeasurement
 from nanwatch.core.stats.output_rows import DtypeRows, Rows
 from nanwatch.core.stats.registry import extras, lead
 
-__all__ = ["stack_maxima", "read_flags", "holds_non_finite", "ReadBack", "read_back"]
+__all__ = ["Folded", "Screened", "fold", "stack_maxima", "read_flags", "holds_non_finite", "ReadBack", "read_back"]
 
 
 _Owner = TypeVar("_Owner")
@@ -63,22 +64,89 @@ def stack_maxima(
     return found
 
 
-def read_flags(flags: Iterable[tuple[torch.Tensor, _Owner]]) -> list[_Owner]:
-    """The owners of the 0-d bool flags that are False, in order: one host read per device, however many flags."""
-    by_device: dict[torch.device, list[tuple[torch.Tensor, _Owner]]] = {}
-    for flag, owner in flags:
-        by_device.setdefault(flag.device, []).append((flag, owner))
-    tripped = []
-    for device_flags in by_device.values():
-        values = torch.stack([flag for flag, _ in device_flags]).tolist()
-        tripped += [owner for fine, (_, owner) in zip(values, device_flags, strict=True) if not fine]
-    return tripped
+Screened = torch.Tensor | Sequence[torch.Tensor]
+"""What a check screens: a 0-d bool flag (True = fine), or values (a float tensor, or a list of 0-d float tensors)
+that are all finite when fine."""
+
+
+@dataclass(frozen=True, slots=True)
+class Folded(Generic[_Owner]):
+    """One device's screened parts folded into one float vector (`summary`): a value per group of parts, inf or nan
+    where a part of that group tripped. Reading it is the check's one host read on that device."""
+
+    summary: torch.Tensor
+    groups: tuple[tuple[tuple[Screened, _Owner], ...], ...]
+
+    def tripped(self, values: Sequence[float]) -> list[_Owner]:
+        """The owners of the parts that tripped, given the summary read back: a tripped group of several parts (the
+        slow path, once something is inf/nan) reads each part again to tell which."""
+        found: list[_Owner] = []
+        for value, group in zip(values, self.groups, strict=True):
+            if math.isfinite(value):
+                continue
+            if len(group) == 1:
+                found.append(group[0][1])
+                continue
+            found += [owner for part, owner in group if not _fine(part)]
+        return list(dict.fromkeys(found))
+
+
+def fold(parts: Iterable[tuple[Screened, _Owner]]) -> list[Folded[_Owner]]:
+    """The parts of a check folded into as few device ops as the data allows, no host sync: per device, every float
+    part of one dtype stacked (the 0-d ones) or concatenated once and summed times zero (0 when every value is finite,
+    nan when one is inf or nan: a finite value times zero is zero, so the sum cannot overflow); the bool flags
+    stacked and turned into 0 (fine) or nan (tripped). A group's level is 0 or nan, nothing else."""
+    by_group: dict[tuple[torch.device, torch.dtype], list[tuple[Screened, _Owner]]] = {}
+    for part, owner in parts:
+        first = part if isinstance(part, torch.Tensor) else (part[0] if len(part) else None)
+        if first is None:
+            continue
+        by_group.setdefault((first.device, first.dtype), []).append((part, owner))
+    by_device: dict[torch.device, tuple[list[torch.Tensor], list[tuple[tuple[Screened, _Owner], ...]]]] = {}
+    for (device, dtype), group in by_group.items():
+        if dtype is torch.bool:
+            flags = [flag for part, _ in group for flag in ((part,) if isinstance(part, torch.Tensor) else part)]
+            fine = flags[0] if len(flags) == 1 else torch.stack(flags).all()
+            level = fine.float().log().mul_(0)  # log(1) * 0 = 0: fine; log(0) * 0 = -inf * 0 = nan: tripped
+        else:
+            scalars = [value for part, _ in group if not isinstance(part, torch.Tensor) for value in part]
+            vectors = [part.reshape(-1) for part, _ in group if isinstance(part, torch.Tensor)]
+            if scalars:
+                vectors.insert(0, torch.stack(scalars))
+            joined = vectors[0] if len(vectors) == 1 else torch.cat(vectors)
+            fresh = len(vectors) > 1 or bool(scalars)  # made here: it may be changed in place
+            level = (joined.mul_(0) if fresh else joined.mul(0)).sum()
+        levels, groups = by_device.setdefault(device, ([], []))
+        levels.append(level)
+        groups.append(tuple(group))
+    found = []
+    for levels, groups in by_device.values():
+        summary = levels[0].reshape(1) if len(levels) == 1 else torch.stack([level.float() for level in levels])
+        found.append(Folded(summary, tuple(groups)))
+    return found
+
+
+def read_flags(parts: Iterable[tuple[Screened, _Owner]]) -> list[_Owner]:
+    """The owners of the parts that tripped (a bool flag False, values holding inf/nan), in order of first trip: one
+    host read per device, however many parts (`fold`)."""
+    tripped: list[_Owner] = []
+    for folded in fold(parts):
+        tripped += folded.tripped(folded.summary.tolist())
+    return list(dict.fromkeys(tripped))
+
+
+def _fine(part: Screened) -> bool:
+    """One part read on its own (the slow path)."""
+    tensor = part if isinstance(part, torch.Tensor) else torch.stack(list(part))
+    if tensor.dtype is torch.bool:
+        return bool(tensor.all())
+    return all(math.isfinite(value) for value in tensor.reshape(-1).tolist())
 
 
 def holds_non_finite(measurements: Iterable[Measurement]) -> bool:
     """True when any floating-point measurement's abs max is inf or nan (one host read per device)."""
     maxima = stack_maxima(measurements)
-    return bool(read_flags((torch.isfinite(stacked).all(), None) for stacked in maxima.values()))
+    return bool(read_flags((stacked, None) for stacked in maxima.values()))
 
 
 @dataclass(frozen=True, slots=True)

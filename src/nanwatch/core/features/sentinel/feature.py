@@ -40,6 +40,7 @@ from nanwatch.core.model_state import generators as own_generators
 from nanwatch.core.readouts import SPIKE_REPLAY, Readout, ReplayedLevels
 from nanwatch.core.report import Report, ReportSection
 from nanwatch.core.runstate import autocast_state, capture_rng_states
+from nanwatch.core.stats.readback import Screened
 from nanwatch.core.torch_glue.hooks import reshards_after_forward
 
 __all__ = ["SentinelFeature"]
@@ -54,6 +55,8 @@ class SentinelFeature(Feature):
         self._active = False
         self._depth = 0  # forward calls open among the hooked modules: only the outermost one is kept
         self._window: list[MicroBatch] = []
+        # The window of the last step, whose check its optimizer decided on the device: kept until the host reads it.
+        self._awaiting: list[MicroBatch] = []
         # With spike_window: the last micro-batches whose step was applied, for a spike's replay (spike_replay.py).
         self._recent: deque[MicroBatch] = deque(maxlen=KEPT_FOR_SPIKES)
         self._keep_recent = False
@@ -94,7 +97,7 @@ class SentinelFeature(Feature):
         the gradients w.r.t. the model's output."""
         own = {name: buffer for name, buffer in self._buffers}
         total = 0
-        for micro in [*self._recent, *self._window]:
+        for micro in [*self._recent, *self._awaiting, *self._window]:
             total += sum(copy.nbytes for name, copy in micro.buffers.items() if copy is not own.get(name))
             for call in micro.calls:
                 total += sum(grad.nbytes for grad in call.output_grads.values())
@@ -103,7 +106,7 @@ class SentinelFeature(Feature):
         return total
 
     def close(self, ctx: EngineContext) -> None:
-        self._window, self._seen, self._screened, self._buffers = [], [], [], []
+        self._window, self._awaiting, self._seen, self._screened, self._buffers = [], [], [], [], []
         self._recent.clear()
         self._as_first_began, self._referenced = None, {}
 
@@ -205,23 +208,30 @@ class SentinelFeature(Feature):
         self, ctx: EngineContext, stage: OptimizerStage, optimizer: torch.optim.Optimizer | None
     ) -> None:
         if stage == "after":  # the window's gradients were applied: a new one begins
-            self._retire()
+            awaited, self._awaiting = self._awaiting, []
+            if ctx.decided_on_device:  # its check is read at the next step: the window waits for it
+                self._awaiting, self._window = self._window, []
+            else:
+                self._retire(self._window)
+                self._window = []
+            self._retire(awaited)
 
     def on_batch_end(self, ctx: EngineContext, phase: Phase, batch_number: int) -> None:
-        self._screened = []  # checked: the evaluation outputs kept for it go
+        if not ctx.decided_on_device:  # checked: the evaluation outputs kept for it go
+            self._screened = []
         # With no optimizer guarded, no step will look at this micro-batch's gradients again: it is done with.
         if phase == "train" and not ctx.guarded:
-            self._retire()
+            self._retire(self._window)
+            self._window = []
 
-    def _retire(self) -> None:
-        """The window is done with; with spike_window its last micro-batches stay (`_recent`) for a spike's replay,
+    def _retire(self, window: list[MicroBatch]) -> None:
+        """`window` is done with; with spike_window its last micro-batches stay (`_recent`) for a spike's replay,
         without the gradients kept for their outputs (only a replay of inf/nan in a window still open reads them)."""
         if self._keep_recent:
-            for micro in self._window:
+            for micro in window:
                 for call in micro.calls:
                     call.output_grads = {}
-            self._recent.extend(self._window)
-        self._window = []
+            self._recent.extend(window)
 
     # ------------------------------------------------------------------------------------------ spikes
 
@@ -232,20 +242,19 @@ class SentinelFeature(Feature):
         ctx = self._ctx
         if ctx is None or not self._active:
             return ReplayedLevels(batch_number, why_not="not replayed: sentinel mode is not watching")
-        kept = [*self._recent, *self._window]
+        kept = [*self._recent, *self._awaiting, *self._window]
         return replay_levels(ctx, kept, batch_number, sharded=self._sharded, generators=self._generators)
 
     # ------------------------------------------------------------------------------------------- checking
 
     def screen(
         self, ctx: EngineContext, pending: Sequence[Frame], maxima: Mapping[tuple[Any, Any], torch.Tensor]
-    ) -> list[torch.Tensor]:
+    ) -> Sequence[Screened]:
         seen, self._seen = self._seen, []
+        if not seen:  # what was screened last stays for its review (a check decided on the device is read late)
+            return []
         self._screened = seen
-        groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-        for item in seen:
-            groups.setdefault((item.values[0].device, item.values[0].dtype), []).extend(item.values)
-        return [torch.isfinite(torch.stack(values)).all() for values in groups.values()]
+        return [list(item.values) for item in seen]  # folded by the check with every other part: no op here
 
     def review(self, ctx: EngineContext, pending: Sequence[Frame]) -> Report | None:
         screened, self._screened = self._screened, []
@@ -268,10 +277,11 @@ class SentinelFeature(Feature):
         if refused is not None:
             return unreplayed(report, refused)
         seen = report.section("sentinel")
+        open_window = [*self._awaiting, *self._window]  # (a step decided on the device is judged a step late)
         if seen is not None:  # seen at the output of a known micro-batch: that one is replayed
-            window = [micro for micro in self._window if micro.batch_number == seen.payload]
+            window = [micro for micro in open_window if micro.batch_number == seen.payload]
         else:  # seen in the gradients the step would apply: any micro-batch of the window may have put it there
-            window = [micro for micro in self._window if micro.batch_number <= report.batch_number]
+            window = [micro for micro in open_window if micro.batch_number <= report.batch_number]
         if not window:
             return unreplayed(report, "no micro-batch was kept to replay (watching began after its forward)")
         # inf/nan in the model's output: its forward is where it began. Only in the gradients: the backward is
