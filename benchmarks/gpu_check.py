@@ -12,8 +12,14 @@ Five checks, each printing its figures (and all of them into --output as JSON):
    flipped bit would be) is called a transient fault. floor: a GradScaler's scale falling below `min_loss_scale`
    stops the run (the scale copied in the hook, read with the check).
 4. compiled: a compiled (inductor, Triton) model watched in fp16 reports the culprit with no graph break.
+5. step: what a whole training step costs the GPU per mode (none, full, sentinel; AdamW with `foreach` and with
+   `fused`): host synchronisations per step (CUDA's sync debug mode, optimizer step included: sentinel mode with a
+   fused AdamW must make none), kernel launches per step and per module call (the profiler), and the step time
+   against the unwatched one, on the GPT-2 benchmark's shape (4 layers x 256) and a bigger one (12 layers x 768).
+6. graphs: sentinel mode on a model compiled with `mode="reduce-overhead"` (CUDA graphs): whether it runs, its
+   syncs per step and its step time against the same compiled model unwatched.
 
-The overhead on the GPU is `benchmarks/overhead.py --device cuda` (run beside this script by the same command).
+The overhead of the plain benchmark on the GPU is also `benchmarks/overhead.py --device cuda`.
 
     python benchmarks/gpu_check.py --output gpu-check.json
 """
@@ -313,10 +319,160 @@ def check_compiled(device: torch.device) -> dict[str, Any]:
     return result
 
 
+# ------------------------------------------------------------------------------------ 5. a whole step, per mode
+
+STEP_VARIANTS = ("none", "full", "sentinel", "none+fused", "full+fused", "sentinel+fused")
+
+
+def gpt2_lm(layers: int, width: int, vocab: int, seq: int, device: torch.device) -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(vocab_size=vocab, n_positions=seq, n_embd=width, n_layer=layers, n_head=max(4, width // 64),
+                        bos_token_id=0, eos_token_id=0)  # fmt: skip
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(config).to(device)
+
+
+def module_calls(model: nn.Module, ids: torch.Tensor) -> int:
+    calls: list[int] = []
+    handles = [module.register_forward_pre_hook(lambda *_: calls.append(1)) for module in model.modules()]
+    try:
+        with torch.no_grad():
+            model(ids)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return len(calls)
+
+
+def check_step(layers: int, width: int, device: torch.device, steps: int) -> dict[str, Any]:
+    """Per variant: syncs per steady step, launches per steady step (and added per module call), ms per step."""
+    vocab, batch, seq = 8192, 8, 128
+    base = gpt2_lm(layers, width, vocab, seq, device)
+    ids = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(0)).to(device)
+    calls = module_calls(base, ids)
+    found: dict[str, Any] = {"shape": f"{layers} layers x {width}", "module_calls": calls}
+    for variant in STEP_VARIANTS:
+        model = copy.deepcopy(base)
+        fused = variant.endswith("+fused")
+        mode = variant.split("+")[0]
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, **({"fused": True} if fused else {"foreach": True}))
+        handle = None if mode == "none" else nanwatch.watch(model, mode=mode, optimizer=optimizer, report_dir=None)
+
+        def one_step(
+            model: nn.Module = model, optimizer: torch.optim.Optimizer = optimizer, handle: Any = handle
+        ) -> None:
+            optimizer.zero_grad(set_to_none=True)
+            model(ids, labels=ids).loss.backward()
+            optimizer.step()
+            if handle is not None:
+                handle.step()
+
+        for _ in range(3):  # plans made, caches warm, the first verdict read
+            one_step()
+        syncs: list[int] = []
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            for _ in range(3):
+                with counted_syncs(syncs):
+                    one_step()
+        launches = count_launches(one_step, device)
+        timed = time_steps(one_step, device, steps)
+        if handle is not None:
+            handle.close()
+        found[variant] = {"syncs_per_step": syncs, "launches_per_step": launches, "ms_per_step": timed}
+    for variant in STEP_VARIANTS:
+        baseline = found["none+fused" if variant.endswith("+fused") else "none"]
+        figure = found[variant]
+        figure["x_none"] = round(figure["ms_per_step"] / baseline["ms_per_step"], 3)
+        added = figure["launches_per_step"] - baseline["launches_per_step"]
+        figure["launches_added_per_module_call"] = round(added / calls, 2)
+    return found
+
+
+def count_launches(step: Callable[[], None], device: torch.device) -> int:
+    """Kernel launches in one step (the profiler: CUDA kernels on a GPU, ATen ops on the CPU)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CUDA] if device.type == "cuda" else [ProfilerActivity.CPU]
+    with profile(activities=activities) as profiled:
+        step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    events = profiled.events()
+    if device.type == "cuda":
+        return sum(1 for event in events if event.device_type == torch.autograd.DeviceType.CUDA)
+    return sum(1 for event in events if event.name.startswith("aten::") and event.cpu_parent is None)
+
+
+def time_steps(step: Callable[[], None], device: torch.device, steps: int) -> float:
+    """Milliseconds per step, over `steps` steps queued back to back (one sync at the end)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    started = time.perf_counter()
+    for _ in range(steps):
+        step()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return round((time.perf_counter() - started) / steps * 1e3, 3)
+
+
+# ------------------------------------------------------------------------------- 6. CUDA graphs (reduce-overhead)
+
+
+def check_graphs(device: torch.device, steps: int) -> dict[str, Any]:
+    """Sentinel mode on a model compiled with mode="reduce-overhead": runs, syncs per step, time against unwatched."""
+    import torch._dynamo
+
+    found: dict[str, Any] = {}
+    for variant in ("none", "sentinel+fused"):
+        torch._dynamo.reset()
+        model = gpt2_lm(4, 256, 8192, 128, device)
+        ids = torch.randint(0, 8192, (8, 128), generator=torch.Generator().manual_seed(0)).to(device)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+        compiled = torch.compile(model, mode="reduce-overhead")
+        handle = None
+        if variant != "none":
+            handle = nanwatch.watch(compiled, mode="sentinel", optimizer=optimizer, report_dir=None)
+
+        def one_step(
+            compiled: Any = compiled,
+            optimizer: torch.optim.Optimizer = optimizer,
+            handle: Any = handle,
+            ids: torch.Tensor = ids,
+        ) -> None:
+            optimizer.zero_grad(set_to_none=True)
+            compiled(ids, labels=ids).loss.backward()
+            optimizer.step()
+            if handle is not None:
+                handle.step()
+
+        try:
+            for _ in range(4):
+                one_step()
+            syncs: list[int] = []
+            if device.type == "cuda":
+                for _ in range(3):
+                    with counted_syncs(syncs):
+                        one_step()
+            found[variant] = {"ran": True, "syncs_per_step": syncs, "ms_per_step": time_steps(one_step, device, steps)}
+        except Exception as error:  # said, with the other figures kept
+            found[variant] = {"ran": False, "error": f"{type(error).__name__}: {error}"[:500]}
+        finally:
+            if handle is not None:
+                handle.close()
+    if found.get("none", {}).get("ran") and found.get("sentinel+fused", {}).get("ran"):
+        found["x_none"] = round(found["sentinel+fused"]["ms_per_step"] / found["none"]["ms_per_step"], 3)
+    return found
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--output", default=None, help="write the results as JSON here")
-    parser.add_argument("--only", default="oracle,syncs,sentinel,floor,compiled", help="comma-separated checks to run")
+    parser.add_argument(
+        "--only", default="oracle,syncs,sentinel,floor,compiled,step,graphs", help="comma-separated checks to run"
+    )
+    parser.add_argument("--steps", type=int, default=30, help="timed steps per variant in step and graphs (default 30)")
     parser.add_argument("--device", default="cuda", help="cuda (default); cpu only tries the script out")
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -329,6 +485,7 @@ def main() -> int:
     wanted = set(args.only.split(","))
     if device.type != "cuda":
         wanted.discard("syncs")  # CUDA's sync debug mode only
+        wanted.discard("graphs")  # CUDA graphs only
     checks: dict[str, Callable[[], Any]] = {
         "oracle": lambda: [
             check_oracle(torch.float16, device, 1e3, 8),
@@ -342,6 +499,8 @@ def main() -> int:
         "sentinel": lambda: check_sentinel(device),
         "floor": lambda: check_floor(device),
         "compiled": lambda: check_compiled(device),
+        "step": lambda: [check_step(4, 256, device, args.steps), check_step(12, 768, device, args.steps)],
+        "graphs": lambda: check_graphs(device, args.steps),
     }
     failed = False
     for name, run in checks.items():

@@ -15,10 +15,10 @@ import torch
 from nanwatch.core.frames import Entry, Frame, RecordedFrame, Role, resolve
 from nanwatch.core.report import format_entry
 from nanwatch.core.stats.cache import StatsCache
-from nanwatch.core.stats.grouped import MagnitudePlan, StackPlan, as_vector
+from nanwatch.core.stats.grouped import MagnitudePlan, as_vector
 from nanwatch.core.stats.kernels import FLOAT8_DTYPES, count_non_finite
 from nanwatch.core.stats.measure import Measurement, measure
-from nanwatch.core.stats.readback import fold, holds_non_finite, read_back, read_flags
+from nanwatch.core.stats.readback import fold, holds_non_finite, read_flags
 
 
 def find_non_finite(frames: list[Frame]) -> bool:
@@ -546,33 +546,3 @@ def test_magnitude_plan_gives_abs_amax_stacked_or_alone(dtype: torch.dtype, bad:
         assert value.shape == ()
         assert value.dtype == tensor.dtype
         assert torch.equal(value, expected) or (value.isnan() and expected.isnan()), (tensor.shape, value, expected)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("bad", [None, math.nan, math.inf, -math.inf])
-def test_a_plan_measures_stacked_gathered_and_lone_tensors_as_measure_does(
-    dtype: torch.dtype, bad: float | None
-) -> None:
-    """A model's parameters measured together: small ones of a shape stacked, larger ones of a dtype gathered into
-    multi-tensor ops (six for all of them), the rest alone; every number what `measure()` gives for the tensor."""
-    torch.manual_seed(0)
-    small = [torch.randn(3, 5, dtype=dtype) for _ in range(3)]
-    larger = [torch.randn(70_000 + 1_000 * index, dtype=dtype) - index for index in range(5)]
-    larger.append(torch.randn(300, 400, dtype=dtype).abs())  # no sign change: its abs min is its min
-    lone = [torch.randn(80_000, dtype=torch.float64), torch.arange(70_000)]
-    if bad is not None:
-        larger[2][4_321] = bad
-    tensors = [small[0], larger[0], lone[0], *larger[1:], small[1], lone[1], small[2]]
-    plan = StackPlan(tensors)
-    assert len(plan.gathered) == 1
-    assert sorted(plan.gathered[0][0]) == sorted(i for i, t in enumerate(tensors) if any(t is x for x in larger))
-    together = read_back(plan.measure())
-    for tensor, measurement in zip(tensors, plan.measure(), strict=True):
-        alone = measure(tensor)
-        assert measurement.shape == alone.shape
-        expected = read_back([alone])[id(alone)].range
-        found = read_back([measurement])[id(measurement)].range
-        assert (found == expected) or (math.isnan(found[1]) and math.isnan(expected[1])), (tensor.shape, found)
-        if math.isnan(expected[1]):
-            assert math.isnan(found[0])  # a nan max means a nan min, whichever way it was reduced
-    assert len(together) == len(tensors)

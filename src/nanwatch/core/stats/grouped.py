@@ -25,9 +25,6 @@ __all__ = ["StackPlan", "measure_together", "MagnitudePlan", "as_vector"]
 # kernels dominate their launch cost anyway).
 _STACK_MAX_NUMEL = 1 << 16
 _STACK_ELEMENTS = 1 << 22
-# StackPlan: the larger tensors are gathered in groups of up to this many elements (their magnitudes' temporary copy:
-# 128 MiB of float32 at most).
-_GATHER_ELEMENTS = 1 << 25
 # MagnitudePlan on the CPU: up to this many tensors, two per-tensor loops in C (`_foreach_*`); more are stacked.
 _FOREACH_MAX_TENSORS = 256
 _STACKED_DTYPES = frozenset((torch.float32, torch.float16, torch.bfloat16, torch.float64))
@@ -51,7 +48,6 @@ class StackPlan:
         # The dtypes it was made for: a tensor whose dtype changed since (`.data` replaced by `model.half()`) needs
         # a new plan.
         self.dtypes = [tensor.dtype for tensor in self.tensors]
-        self.shapes = [tuple(tensor.shape) for tensor in self.tensors]
         self.stacks: list[tuple[list[torch.Tensor], torch.dtype, torch.Size]] = []
         self.alone: list[int] = []
         groups: dict[tuple[torch.device, torch.dtype, torch.Size], list[int]] = {}
@@ -66,7 +62,7 @@ class StackPlan:
                 groups.setdefault((tensor.device, tensor.dtype, tensor.shape), []).append(index)
             else:
                 self.alone.append(index)
-        self.members: list[list[int]] = []  # each stack's tensors, by index (then each gathered group's)
+        self.members: list[list[int]] = []  # each stack's tensors, by index
         for (_device, dtype, shape), indices in groups.items():
             if len(indices) < 2:
                 self.alone += indices
@@ -76,33 +72,6 @@ class StackPlan:
                 chunk = indices[start : start + per_stack]
                 self.stacks.append(([self.tensors[index] for index in chunk], dtype, shape))
                 self.members.append(chunk)
-        # The larger plain floating-point tensors, of one device and dtype, measured together by multi-tensor ops
-        # (`_gathered_rows`): a handful of launches for all of them, not two or three each.
-        self.gathered: list[tuple[list[int], torch.dtype]] = []
-        kinds: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-        for index in self.alone:
-            tensor = self.tensors[index]
-            if (
-                type(tensor) in _PLAIN
-                and tensor.dtype in _STACKED_DTYPES
-                and tensor.layout is torch.strided
-                and not tensor.is_meta
-                and 0 < tensor.numel() <= _GATHER_ELEMENTS
-            ):
-                kinds.setdefault((tensor.device, tensor.dtype), []).append(index)
-        for (_device, dtype), indices in kinds.items():
-            group: list[int] = []
-            elements = 0
-            for index in indices:  # groups of at most _GATHER_ELEMENTS elements: a bounded temporary
-                numel = self.tensors[index].numel()
-                if group and elements + numel > _GATHER_ELEMENTS:
-                    self._gather(group, dtype)
-                    group, elements = [], 0
-                group.append(index)
-                elements += numel
-            self._gather(group, dtype)
-        gathered = {index for chunk, _ in self.gathered for index in chunk}
-        self.alone = [index for index in self.alone if index not in gathered]
         # Where each tensor's measurement is: (stack, row), or (-1, its place among those measured alone).
         self.places: list[tuple[int, int]] = [(-1, 0)] * len(self.tensors)
         for number, chunk in enumerate(self.members):
@@ -110,11 +79,6 @@ class StackPlan:
                 self.places[index] = (number, row)
         for position, index in enumerate(self.alone):
             self.places[index] = (-1, position)
-
-    def _gather(self, group: list[int], dtype: torch.dtype) -> None:
-        if len(group) > 3:  # fewer are measured one by one: two or three ops each, against six for the group
-            self.gathered.append((group, dtype))
-            self.members.append(group)
 
     def measure(self, kernels: ExtraKernels = ()) -> list[Measurement]:
         """The measurements, in the order of the tensors given. Raises RuntimeError when a stacked tensor changed its
@@ -138,30 +102,12 @@ class StackPlan:
                 stacks.append(DtypeRows(Rows(columns.amin(0), columns.amax(0)), dtype))
                 if kernels:
                     extras.append([measure_extras(tensor.detach(), kernels) for tensor in stack])
-            for chunk, dtype in self.gathered:
-                members = [self.tensors[index] for index in chunk]
-                if any(tuple(member.shape) != self.shapes[index] for member, index in zip(members, chunk, strict=True)):
-                    raise RuntimeError("a gathered tensor changed its shape")  # a new plan: its lines say its shape
-                stacks.append(DtypeRows(_gathered_rows(members), dtype))
-                if kernels:
-                    extras.append([measure_extras(tensor.detach(), kernels) for tensor in members])
         alone = [measure(self.tensors[index], kernels) for index in self.alone]
         found = PlanMeasurements(self, stacks, alone)
         for number, stack_extras in enumerate(extras):  # launched now: the extra statistics of each stacked tensor
             for row, extra in enumerate(stack_extras):
                 found.stacked(number, row).extra = extra
         return found, stacks, alone
-
-
-def _gathered_rows(tensors: list[torch.Tensor]) -> Rows:
-    """Each tensor's abs min and abs max, exactly (min and max propagate nan), in six device ops for all of them: one
-    temporary of their magnitudes, negated in place for the minima (the largest negated magnitude is minus the
-    smallest). Raises RuntimeError when a tensor no longer fits (a new plan is made then)."""
-    magnitudes = torch._foreach_abs(tensors)
-    highs = torch.stack(torch._foreach_max(magnitudes))
-    torch._foreach_neg_(magnitudes)
-    lows = torch.stack(torch._foreach_max(magnitudes)).neg_()
-    return Rows(lows, highs)
 
 
 class PlanMeasurements(Sequence[Measurement]):
@@ -171,7 +117,7 @@ class PlanMeasurements(Sequence[Measurement]):
 
     def __init__(self, plan: StackPlan, stacks: list[DtypeRows], alone: list[Measurement]) -> None:
         self._places, self._members = plan.places, plan.members
-        self._shapes = plan.shapes
+        self._shapes = [tuple(shape) for _, _, shape in plan.stacks]
         self._stacks = stacks
         self._alone = alone
         self._made: list[Measurement | None] = [None] * len(plan.places)
@@ -199,7 +145,7 @@ class PlanMeasurements(Sequence[Measurement]):
         found = self._made[index]
         if found is None:
             rows, dtype = self._stacks[number]
-            found = self._made[index] = StackedMeasurement(rows, row, dtype, self._shapes[index])
+            found = self._made[index] = StackedMeasurement(rows, row, dtype, self._shapes[number])
         assert isinstance(found, StackedMeasurement)
         return found
 
