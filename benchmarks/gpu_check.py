@@ -472,6 +472,12 @@ def main() -> int:
     parser.add_argument(
         "--only", default="oracle,syncs,sentinel,floor,compiled,step,graphs", help="comma-separated checks to run"
     )
+    parser.add_argument(
+        "--shapes",
+        type=lambda text: [tuple(int(n) for n in shape.split("x")) for shape in text.split(",")],
+        default=[(4, 256), (12, 768)],
+        help="GPT-2 shapes of the step check, layers x width, comma-separated (default 4x256,12x768)",
+    )
     parser.add_argument("--steps", type=int, default=30, help="timed steps per variant in step and graphs (default 30)")
     parser.add_argument("--device", default="cuda", help="cuda (default); cpu only tries the script out")
     args = parser.parse_args()
@@ -499,7 +505,7 @@ def main() -> int:
         "sentinel": lambda: check_sentinel(device),
         "floor": lambda: check_floor(device),
         "compiled": lambda: check_compiled(device),
-        "step": lambda: [check_step(4, 256, device, args.steps), check_step(12, 768, device, args.steps)],
+        "step": lambda: [check_step(*shape, device, args.steps) for shape in args.shapes],
         "graphs": lambda: check_graphs(device, args.steps),
     }
     failed = False

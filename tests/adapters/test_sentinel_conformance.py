@@ -79,6 +79,22 @@ def test_sentinel_replays_the_micro_batch_and_reports_what_full_mode_records(
     assert len(replayed) == 3  # block.linear, block.act, block.fault
 
 
+def test_sentinel_with_a_fused_optimizer_refuses_the_step_on_the_device(harness: ModuleType, tmp_path: Path) -> None:
+    """The fused optimizer is handed the check as its `found_inf`: the step of micro-batch K runs and applies
+    nothing, the verdict is read as the next step is about to run, and the error names K, as of its own step."""
+    outcome = harness.run(Scenario(inf_at=K, mode="sentinel", fused=True), tmp_path)
+
+    error = _detection(outcome)
+    assert (error.batch_number, error.rank, error.module_name) == (K, 0, harness.FAULT_NAME), error.report
+    assert REPLAYED in error.report, error.report
+    assert "the step did not run" in error.report or "the sentinel saw inf/nan in" in error.report
+    assert outcome.steps_done == K + 1  # the fused step was called, told by found_inf to apply nothing
+    assert same_weights(outcome.weights[K + 1], outcome.weights[K])
+    assert outcome.final_weights_are_after_step(K)
+    assert outcome.fault.count == K + 2  # micro-batch K + 1 ran its forward before the verdict was read
+    assert outcome.hooks_left == 0, "hooks left on the model or its optimizer"
+
+
 def test_sentinel_with_gradient_accumulation(harness: ModuleType, tmp_path: Path) -> None:
     # Two micro-batches per step: micro-batches 2 and 3 make step 1, which never runs.
     outcome = harness.run(Scenario(inf_at=3, accumulation=2, mode="sentinel"), tmp_path)

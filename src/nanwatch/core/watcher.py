@@ -239,7 +239,8 @@ class Watcher(WatcherReads):
             self._features.dispatch("on_batch_end", "eval", counters.eval_batch_number)
             counters.advance()
             return
-        self._settle(hold=True)
+        if not self._step_decides_on_device():
+            self._settle(hold=True)
         self._say_if_nothing_recorded()
         run_outside_dynamo(hook_code())  # again: a torch._dynamo.reset() forgets it
         self._features.dispatch("on_batch_end", "train", counters.batch_number)  # the scale, a due summary
@@ -380,6 +381,18 @@ class Watcher(WatcherReads):
     def decided_on_device(self) -> bool:
         """`EngineContext.decided_on_device` (core/feature_api.py)."""
         return self._on_device is not None
+
+    def _step_decides_on_device(self) -> bool:
+        """Whether the optimizer step to come checks this micro-batch on the device: then a loop (or a framework, the
+        HF Trainer) that ends the micro-batch before the step has nothing read here; the step's check takes it all."""
+        return (
+            self.config.mode == "sentinel"
+            and self.world_size == 1
+            and self.config.on_detect != "rewind"
+            and self._guarded
+            and len(self._guarded_optimizers) > 0
+            and all(takes_device_flag(optimizer) for optimizer in self._guarded_optimizers)
+        )
 
     def _decide_on_device(self, optimizer: torch.optim.Optimizer) -> bool:
         """Sentinel mode before the step of an optimizer that takes `found_inf`: the check's flag goes to it, and the

@@ -52,7 +52,7 @@ class _Run:
         )
         self.net = new_net(scenario, micro_batches_done=micro_batches_done)
         self.loss_fn = new_loss(scenario, micro_batches_done=micro_batches_done)
-        optimizer = torch.optim.SGD(self.net.parameters(), lr=LEARNING_RATE)
+        optimizer = torch.optim.SGD(self.net.parameters(), lr=LEARNING_RATE, fused=scenario.fused or None)
         loader = DataLoader(train_dataset(scenario), batch_size=BATCH_SIZE)  # prepare() shards it across ranks
         self.model, self.optimizer, self.loader = self.accelerator.prepare(self.net, optimizer, loader)
         self.recorder = StepRecorder(self.net)

@@ -59,6 +59,8 @@ class Scenario:
             "data" (a sample of the data holds nan), "precision16" (a float16 child overflows float16's range),
             "precision_bf16" (a bfloat16 child's rounding divides by zero), "weights" (a finite gradient whose SGD
             update overflows a weight), "compiler" (the net is compiled by a backend that breaks every linear).
+        fused: the optimizer is a fused one, which takes a device-side `found_inf` (`SGD(fused=True)`; the HF
+            Trainer's `adamw_torch_fused`).
     """
 
     inf_at: int | None = None
@@ -74,6 +76,7 @@ class Scenario:
     loss_inf_at: int | None = None
     fault_once: bool = False
     cause: str | None = None
+    fused: bool = False
 
     def __post_init__(self) -> None:
         if self.resume_after is not None and (

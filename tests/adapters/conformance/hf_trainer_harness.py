@@ -75,7 +75,7 @@ def _train(
         gradient_accumulation_steps=scenario.accumulation,
         max_steps=steps,
         learning_rate=LEARNING_RATE,
-        optim="sgd",
+        optim="adamw_torch_fused" if scenario.fused else "sgd",
         lr_scheduler_type="constant",
         report_to=[],
         logging_strategy="no",

@@ -38,10 +38,11 @@ FAULT_NAME = "net.block.fault"
 
 
 class _LitNet(pl.LightningModule):
-    def __init__(self, net: ConformanceNet, loss_fn: FunctionalLoss | None = None) -> None:
+    def __init__(self, net: ConformanceNet, loss_fn: FunctionalLoss | None = None, *, fused: bool = False) -> None:
         super().__init__()
         self.net = net
         self.loss_fn = loss_fn
+        self.fused = fused
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         if self.loss_fn is not None:  # `F.mse_loss(...)` in the training step, as most LightningModules do
@@ -54,7 +55,7 @@ class _LitNet(pl.LightningModule):
         return loss
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=LEARNING_RATE)
+        return torch.optim.SGD(self.parameters(), lr=LEARNING_RATE, fused=self.fused or None)
 
 
 class _Probe(pl.Callback):
@@ -78,7 +79,7 @@ def _fit(
     scenario: Scenario, workdir: Path, *, epochs: int, micro_batches_done: int = 0, ckpt_path: str | None = None
 ) -> tuple[Outcome, pl.Trainer]:
     net = new_net(scenario, micro_batches_done=micro_batches_done)
-    module = _LitNet(net, new_loss(scenario, micro_batches_done=micro_batches_done))
+    module = _LitNet(net, new_loss(scenario, micro_batches_done=micro_batches_done), fused=scenario.fused)
     overflow = OverflowCallback(scenario.config(workdir))
     recorder = StepRecorder(net)
     probe = _Probe(overflow, recorder)

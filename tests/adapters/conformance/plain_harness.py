@@ -46,7 +46,7 @@ class _Run:
         self.loss_fn = new_loss(scenario, micro_batches_done=micro_batches_done)
         self.ddp = DistributedDataParallel(self.net) if world_size() > 1 else None
         self.model: torch.nn.Module = self.net if self.ddp is None else self.ddp
-        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=LEARNING_RATE)
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=LEARNING_RATE, fused=scenario.fused or None)
         self.recorder = StepRecorder(self.net)
         self.recorder.track(self.optimizer)
         self.handle = nanwatch.watch(self.model, scenario.config(workdir), optimizer=self.optimizer)
