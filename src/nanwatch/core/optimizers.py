@@ -13,6 +13,8 @@ __all__ = ["gradients_to_apply", "hand_flag", "handed_flag", "skips_this_step", 
 
 # The flag nanwatch handed each optimizer for the step under way (`hand_flag`), by optimizer, held weakly.
 _HANDED: weakref.WeakKeyDictionary[torch.optim.Optimizer, torch.Tensor] = weakref.WeakKeyDictionary()
+# Whether each optimizer takes such a flag (`takes_device_flag`), by optimizer, held weakly.
+_TAKES: weakref.WeakKeyDictionary[torch.optim.Optimizer, bool] = weakref.WeakKeyDictionary()
 
 _grad_of = attrgetter("grad")
 
@@ -51,6 +53,13 @@ def takes_device_flag(optimizer: torch.optim.Optimizer) -> bool:
     """Whether this optimizer skips its own update when handed a device-side `found_inf` (1.0: skip), as
     `torch.amp.GradScaler` hands it: torch's fused optimizers, and any that declares `_step_supports_amp_scaling` and
     reads `found_inf` as an attribute (not through the older `grad_scaler` keyword of its step)."""
+    known = _TAKES.get(optimizer)
+    if known is None:
+        known = _TAKES[optimizer] = _takes_device_flag(optimizer)  # asked at every micro-batch: once per optimizer
+    return known
+
+
+def _takes_device_flag(optimizer: torch.optim.Optimizer) -> bool:
     if not getattr(optimizer, "_step_supports_amp_scaling", False):
         return False
     try:

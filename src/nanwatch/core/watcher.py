@@ -52,7 +52,7 @@ from nanwatch.core.torch_glue.compiler import (
 )
 from nanwatch.core.torch_glue.gcpause import pause_collection, resume_collection
 from nanwatch.core.torch_glue.hooks import HookSet, named_unique_modules
-from nanwatch.errors import BatchLimitReached
+from nanwatch.errors import BatchLimitReached, NonFiniteError
 
 __all__ = ["KEEP", "PHASES", "Watcher"]
 
@@ -135,10 +135,11 @@ class Watcher(WatcherReads):
     def close(self, *, check: bool = True, raise_detection: bool = False) -> Report | None:
         """`AdapterContract.close` (core/contract.py)."""
         report = None
+        refused: NonFiniteError | None = None  # the last step's detection, decided on the device, as of that step
         try:
             if self._on_device is not None:
-                self._conclude_at_close()
-            if check and self._disabled_reason is None:
+                report, refused = self._conclude_at_close()
+            if check and self._disabled_reason is None and report is None:
                 report = self._checker.check_safely()
                 if report is not None:
                     self._publisher.publish(report)
@@ -156,15 +157,18 @@ class Watcher(WatcherReads):
             self._arbiter.close()
             held = self._arbiter.release()  # held for a step that never came
             report = report if report is not None else held
+            if refused is not None and raise_detection:
+                raise refused
             if report is not None and raise_detection:
                 self._arbiter.raise_error(report, _detection_of(report, self.rank))
         finally:
             self._let_go()
         return report
 
-    def _conclude_at_close(self) -> None:
-        """The last step's check, decided on the device: concluded now, held (published) for `close` to return or
-        raise; under skip, listed as the step it skipped."""
+    def _conclude_at_close(self) -> tuple[Report | None, NonFiniteError | None]:
+        """The last step's check, decided on the device, concluded now as of that step: its report and the error it
+        raises (for `close` to raise once everything is let go), or, under skip, nothing: the step is listed as
+        skipped."""
         decided, self._on_device = self._on_device, None
         assert decided is not None
         with self._counters.as_of(decided.counters):
@@ -173,8 +177,11 @@ class Watcher(WatcherReads):
             finally:
                 take_back_flag(decided.optimizer)
             self._arbiter.detect(report)
-            if self._arbiter.skips:
+            try:
                 self._arbiter.settle(hold=False, before_step=decided.optimizer, applied_nothing=True)
+            except NonFiniteError as error:
+                return report, error
+        return None, None
 
     def _let_go(self) -> None:
         """Closed: hold nothing of the model any more (the modules, the compiled path's adapter hooks, the cache's
@@ -374,6 +381,7 @@ class Watcher(WatcherReads):
         """Check; raise on every rank if this rank or another saw inf/nan, or skip the step of `before_step`
         (core/engine/arbiter.py). A detection is held for the optimizer step only where an adapter checks before each
         step."""
+        self._conclude_on_host()  # a step decided on the device is concluded before any later check looks
         self._arbiter.detect(self._checker.check_safely())
         self._arbiter.settle(hold=hold and self._guarded, wait=wait, before_step=before_step)
 

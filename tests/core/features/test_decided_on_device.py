@@ -135,9 +135,36 @@ def test_a_nan_in_the_last_step_is_raised_when_watching_ends() -> None:
 
     with pytest.raises(NonFiniteError) as caught:
         run()
-    assert caught.value.batch_number == BAD
+    assert (caught.value.batch_number, caught.value.optimizer_step) == (BAD, BAD)  # as of the step it refused
     assert all(torch.isfinite(param).all() for param in model.parameters())
     assert not hasattr(optimizer, "found_inf")
+
+
+def test_an_evaluation_between_steps_concludes_the_last_step_first(capsys: pytest.CaptureFixture[str]) -> None:
+    """An evaluation's check reads the last step's verdict first (its forward is queued by then), so the sentinel's
+    finding in the training step is what is reported, not overwritten by the evaluation's outputs."""
+    model, optimizer = model_and_optimizer()
+    seen: list[Any] = []
+    handle = nanwatch.watch(model, mode="sentinel", optimizer=optimizer, report_dir=None, watch_eval=True)
+
+    def train_and_evaluate() -> None:
+        for batch in range(BAD + 2):
+            step(model, optimizer, batch)
+            handle.step()
+            seen.append(batch)
+            model.eval()
+            with torch.no_grad():
+                model(inputs(0))
+            handle.watcher.start_batch("eval")
+            handle.watcher.end_batch()
+            model.train()
+
+    with pytest.raises(NonFiniteError) as caught:
+        train_and_evaluate()
+    handle.close()
+    assert seen[-1] == BAD  # raised by the evaluation after the bad step, before any later step
+    assert (caught.value.batch_number, caught.value.phase) == (BAD, "train")
+    assert "the sentinel saw inf/nan in output of the model" in caught.value.report
 
 
 def test_a_plain_optimizer_is_decided_on_the_host_before_its_step() -> None:
