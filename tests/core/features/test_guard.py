@@ -290,6 +290,38 @@ def test_a_parameter_outside_the_watched_model_is_named_by_its_place_in_the_opti
     assert "(parameter 2 of the optimizer, outside the watched model) nan (1 of 3 parameters)" in info.value.report
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["bounds, confirmed", "exact magnitudes"])
+def test_a_huge_finite_gradient_is_never_called_non_finite(fused: bool) -> None:
+    """On the CPU the host's check screens the gradients by their 2-norms, which overflow from about 1e19 on: such a
+    gradient trips the screen, and its own largest magnitude, read then, says it is finite: no detection, the step
+    runs. A fused optimizer (told by the check itself to skip) is screened by the exact magnitudes."""
+    model = nn.Sequential(nn.Linear(4, 4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-36, fused=fused or None)
+    with watch(model, optimizer=optimizer, mode="sentinel") as handle:
+        for _ in range(3):
+            (model(torch.ones(2, 4)) * 1e30).sum().backward()  # gradients of about 1e30: finite, squares are not
+            before = model[0].weight.detach().clone()
+            optimizer.step()
+            optimizer.zero_grad()
+            handle.step()
+            assert not torch.equal(model[0].weight, before)  # the step ran
+    assert handle.optimizer_step == 3
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_a_non_finite_gradient_among_huge_ones_is_named_alone(bad: float) -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-36)
+    with watch(model, optimizer=optimizer) as handle:
+        (model(torch.ones(2, 4)) * 1e30).sum().backward()
+        model[1].bias.grad[2] = bad  # type: ignore[index]
+        with pytest.raises(NonFiniteError) as info:
+            optimizer.step()
+        handle.close()
+    word = "nan" if math.isnan(bad) else "inf"
+    assert f": 1.bias {word} (1 of 4 parameters); the step did not run" in info.value.report
+
+
 def test_the_guard_reads_nothing_back_on_a_clean_step() -> None:
     # One host read per check is all: the gradients' flags ride on the read the frames need anyway.
     torch.manual_seed(0)

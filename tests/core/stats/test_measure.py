@@ -546,3 +546,22 @@ def test_magnitude_plan_gives_abs_amax_stacked_or_alone(dtype: torch.dtype, bad:
         assert value.shape == ()
         assert value.dtype == tensor.dtype
         assert torch.equal(value, expected) or (value.isnan() and expected.isnan()), (tensor.shape, value, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("bad", [None, math.nan, math.inf, -math.inf])
+def test_magnitude_plan_bounds_are_finite_exactly_when_the_tensors_are(dtype: torch.dtype, bad: float | None) -> None:
+    """`exact=False` (the host's screen on the CPU): one bound per tensor, not finite for the tensor holding inf or
+    nan, finite for the others, float16's largest values included (its bounds are taken in float32)."""
+    torch.manual_seed(0)
+    tensors = [torch.randn(50, 40, dtype=dtype) for _ in range(4)]
+    tensors[1].fill_(torch.finfo(dtype).max if dtype == torch.float16 else 1e4)
+    if bad is not None:
+        tensors[2][7, 3] = bad
+    groups = MagnitudePlan(tensors).launch(tensors, exact=False)
+    found: dict[int, float] = {}
+    for indices, values in groups:
+        found.update(zip(indices, as_vector(values).tolist(), strict=True))
+    assert sorted(found) == [0, 1, 2, 3]
+    for index, value in found.items():
+        assert math.isfinite(value) == (bad is None or index != 2), (index, value)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from operator import is_
 from typing import Any
 
@@ -23,7 +24,7 @@ import torch
 
 from nanwatch.core.feature_api import EngineContext, Feature, OptimizerStage
 from nanwatch.core.frames import Frame
-from nanwatch.core.optimizers import gradients_to_apply, skips_this_step
+from nanwatch.core.optimizers import gradients_to_apply, skips_this_step, takes_device_flag
 from nanwatch.core.readouts import GRADIENT_MAXIMUM, Readout
 from nanwatch.core.report import Report, ReportSection
 from nanwatch.core.stats.grouped import MagnitudePlan, as_vector
@@ -70,7 +71,10 @@ class GradientGuard(Feature):
             return
         params, grads = gradients_to_apply(optimizer)
         if params:
-            self._launched = (params, self._plans.launch(params, grads))
+            # An optimizer told by the check itself to skip needs the exact magnitudes; the host's check can make do
+            # with bounds that it confirms, gradient by gradient, in the rare step where one is not finite.
+            exact = takes_device_flag(optimizer)
+            self._launched = _Launched(params, self._plans.launch(params, grads, exact=exact), exact)
 
     def screen(
         self, ctx: EngineContext, pending: Sequence[Frame], maxima: Mapping[tuple[Any, Any], torch.Tensor]
@@ -80,26 +84,35 @@ class GradientGuard(Feature):
         if launched is None:
             return []
         self._under_review = launched  # until reviewed, or replaced: a check decided on the device is read a step late
-        return [values for _, values in launched[1]]  # the check folds them with the rest: no op of the guard's
+        return [values for _, values in launched.groups]  # the check folds them with the rest: no op of the guard's
 
     def readouts(self) -> Mapping[Readout[Any], Callable[[], Any]]:
         return {GRADIENT_MAXIMUM: self._largest}
 
     def _largest(self) -> torch.Tensor | None:
         """The largest magnitude among the gradients of the step being checked (device, no sync), or None."""
-        if self._screened is None or not self._screened[1]:
+        screened = self._screened
+        if screened is None or not screened.groups:
             return None
-        return torch.stack([as_vector(values).float().amax() for _, values in self._screened[1]]).amax()
+        if not screened.exact:  # bounds: the largest magnitudes taken now, from the gradients about to be applied
+            grads = local_shards([param.grad for param in screened.params if param.grad is not None])
+            return torch.stack([_magnitude(grad).float() for grad in grads]).amax()
+        return torch.stack([as_vector(values).float().amax() for _, values in screened.groups]).amax()
 
     def review(self, ctx: EngineContext, pending: Sequence[Frame]) -> Report | None:
         screened, self._under_review = self._under_review, None
         if screened is None:
             return None
-        params, groups = screened
+        params, groups = screened.params, screened.groups
         values = [0.0] * len(params)
         for indices, found in groups:  # the slow path: a few transfers, once a flag tripped
             for index, value in zip(indices, as_vector(found).tolist(), strict=True):
                 values[index] = float(value)
+        if not screened.exact:  # a bound that is not finite: the gradient's own largest magnitude says whether it is
+            for index, value in enumerate(values):
+                grad = params[index].grad
+                if not math.isfinite(value) and grad is not None:
+                    values[index] = float(_magnitude(local_shards([grad])[0]))
         named = [
             (self._name(param, index), value) for index, (param, value) in enumerate(zip(params, values, strict=True))
         ]
@@ -159,7 +172,17 @@ def backward_note(watch_gradients: bool, *, loss_recorded: bool = True) -> str:
 
 
 _Groups = list[tuple[list[int], Screened]]
-_Launched = tuple[list[torch.Tensor], _Groups]
+
+
+@dataclass(frozen=True, slots=True)
+class _Launched:
+    """The parameters of a step and what was launched over their gradients: each group's indices into `params` and
+    its values. `exact`: the values are the largest magnitudes; otherwise bounds that are finite when the gradient
+    is, and may overflow when it is huge (confirmed gradient by gradient before anything is said)."""
+
+    params: list[torch.Tensor]
+    groups: _Groups
+    exact: bool
 
 
 class _Plans:
@@ -175,8 +198,9 @@ class _Plans:
         # again, since a DTensor reduced as it is runs collectives of its own.
         self._subclassed = False
 
-    def launch(self, params: list[torch.Tensor], grads: list[torch.Tensor]) -> _Groups:
-        """The largest magnitude of each gradient (a DTensor's over this rank's shard: no collective)."""
+    def launch(self, params: list[torch.Tensor], grads: list[torch.Tensor], *, exact: bool = True) -> _Groups:
+        """The largest magnitude of each gradient (a DTensor's over this rank's shard: no collective); with `exact`
+        False, where that costs more (the CPU), a bound finite exactly when the gradient is, short of overflow."""
         planned = self._params
         # The same parameters as planned for, compared by identity in C (no Python step, no object per parameter).
         # A plain parameter's gradient is plain: the planned (dense) ones need no `local_shards` then; an FSDP2
@@ -188,7 +212,7 @@ class _Plans:
         try:
             if not same or self._plan is None:
                 raise RuntimeError("new parameters")
-            found = self._plan.launch(grads if not self._others else [grads[i] for i in self._dense])
+            found = self._plan.launch(grads if not self._others else [grads[i] for i in self._dense], exact=exact)
         except RuntimeError:  # new parameters, or a gradient that changed shape, dtype or kind: a new plan
             self._params = []
             self._subclassed = any(type(grad) is not torch.Tensor for grad in given)
@@ -197,17 +221,20 @@ class _Plans:
             self._dense = [i for i, grad in enumerate(grads) if _dense(grad)]
             self._others = sorted(set(range(len(grads))) - set(self._dense))
             self._plan = MagnitudePlan([grads[i] for i in self._dense])
-            found = self._plan.launch([grads[i] for i in self._dense])
+            found = self._plan.launch([grads[i] for i in self._dense], exact=exact)
             self._params = list(params)
         dense = self._dense
         # The plan's indices count the dense gradients; made the parameters' own where others were left out.
         groups = [([dense[k] for k in indices], vector) for indices, vector in found] if self._others else list(found)
         for index in self._others:  # sparse, empty, or a tensor subclass: reduced on its own
-            grad = grads[index]
-            data = grad.coalesce().values() if grad.is_sparse else grad
-            value = data.abs().amax() if data.numel() else torch.zeros((), device=grad.device, dtype=grad.dtype)
-            groups.append(([index], [value]))
+            groups.append(([index], [_magnitude(grads[index])]))
         return groups
+
+
+def _magnitude(grad: torch.Tensor) -> torch.Tensor:
+    """A gradient's largest magnitude (0-d, on its device): of the values stored, for a sparse one; 0 when empty."""
+    data = grad.coalesce().values() if grad.is_sparse else grad
+    return data.abs().amax() if data.numel() else torch.zeros((), device=grad.device, dtype=grad.dtype)
 
 
 def _dense(grad: torch.Tensor) -> bool:
