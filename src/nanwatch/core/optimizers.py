@@ -84,11 +84,14 @@ def handed_flag(optimizer: torch.optim.Optimizer) -> torch.Tensor | None:
     return _HANDED.get(optimizer) if _ours(optimizer) else None
 
 
-def take_back_flag(optimizer: torch.optim.Optimizer) -> None:
-    """The step ran (or watching ends): the optimizer is left as it was found."""
-    if _ours(optimizer):
+def take_back_flag(optimizer: torch.optim.Optimizer, flag: torch.Tensor | None = None) -> None:
+    """The step ran (or watching ends): the optimizer is left as it was found. `flag`: only that one (another
+    watcher's is left alone)."""
+    if _ours(optimizer) and (flag is None or _HANDED.get(optimizer) is flag):
         del optimizer.found_inf  # type: ignore[attr-defined]
-    _HANDED.pop(optimizer, None)
+        _HANDED.pop(optimizer, None)
+    elif not _ours(optimizer):
+        _HANDED.pop(optimizer, None)
 
 
 def _ours(optimizer: torch.optim.Optimizer) -> bool:

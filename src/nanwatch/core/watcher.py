@@ -16,6 +16,7 @@ Where each thing happens:
 from __future__ import annotations
 
 import logging
+import sys
 import weakref
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
@@ -38,7 +39,7 @@ from nanwatch.core.features import features_for
 from nanwatch.core.formats.files import prepare_report_dir
 from nanwatch.core.frames import ResolvedFrame, resolve
 from nanwatch.core.log import get_logger, warn
-from nanwatch.core.optimizers import hand_flag, handed_flag, take_back_flag, takes_device_flag
+from nanwatch.core.optimizers import hand_flag, take_back_flag, takes_device_flag
 from nanwatch.core.readouts import GradScalerLike, Summary, checked_scaler
 from nanwatch.core.report import Report
 from nanwatch.core.rewinds import Restorer, Rewind, RewindPoint
@@ -157,7 +158,9 @@ class Watcher(WatcherReads):
             self._arbiter.close()
             held = self._arbiter.release()  # held for a step that never came
             report = report if report is not None else held
-            if refused is not None and raise_detection:
+            # The last step's detection: raised as any other would have been at its step (never over the user's own
+            # exception in flight: a framework closing after an error, a `with` block that raised).
+            if refused is not None and (raise_detection or sys.exc_info()[1] is None):
                 raise refused
             if report is not None and raise_detection:
                 self._arbiter.raise_error(report, _detection_of(report, self.rank))
@@ -171,11 +174,11 @@ class Watcher(WatcherReads):
         skipped."""
         decided, self._on_device = self._on_device, None
         assert decided is not None
-        with self._counters.as_of(decided.counters):
+        with self._counters.as_of(decided.counters), decided.as_it_ran():
             try:
                 report = self._checker.conclude_safely(decided.launched, decided.values())
             finally:
-                take_back_flag(decided.optimizer)
+                take_back_flag(decided.optimizer, decided.flag)
             self._arbiter.detect(report)
             try:
                 self._arbiter.settle(hold=False, before_step=decided.optimizer, applied_nothing=True)
@@ -300,8 +303,8 @@ class Watcher(WatcherReads):
             if optimizer is None or not self._decide_on_device(optimizer):
                 self._settle(hold=False, before_step=optimizer)
         elif stage == "after":
-            if optimizer is not None:
-                take_back_flag(optimizer)
+            if optimizer is not None and self._on_device is not None and self._on_device.optimizer is optimizer:
+                take_back_flag(optimizer, self._on_device.flag)
             if optimizer_step is KEEP:
                 self._counters.count_optimizer_step()
 
@@ -414,11 +417,13 @@ class Watcher(WatcherReads):
             or self._disabled_reason is not None
             or self._arbiter.held is not None
             or self._checker.found_early
+            or self.config.spike_window is not None  # a spike is judged on its own micro-batch, at its own check
             or not takes_device_flag(optimizer)
-            or handed_flag(optimizer) is None
-            and getattr(optimizer, "found_inf", None) is not None
+            or getattr(optimizer, "found_inf", None) is not None  # a GradScaler's, or another watcher's, this step
+            or not _stepped_every_parameter(optimizer)
         ):
             return False
+        flag = None
         try:
             if any(feature.held(self._features.ctx) is not None for feature in self._features):
                 return False  # concluded now, by the host
@@ -426,9 +431,12 @@ class Watcher(WatcherReads):
             flag = skip_flag(launched)
             handed = flag is not None and hand_flag(optimizer, flag)
             if handed:
-                self._on_device = DecidedOnDevice.start(launched, optimizer, self._counters.snapshot())
+                assert flag is not None
+                snapshot = self._counters.snapshot()
+                self._on_device = DecidedOnDevice.start(launched, optimizer, snapshot, flag, self.model)
         except Exception as error:  # our bookkeeping must never kill a healthy run
-            take_back_flag(optimizer)
+            if flag is not None:
+                take_back_flag(optimizer, flag)
             self.disable(f"checking the recorded frames failed: {error!r}")
             return True
         if not handed:  # several devices: the host decides, now
@@ -442,11 +450,11 @@ class Watcher(WatcherReads):
         decided, self._on_device = self._on_device, None
         if decided is None:
             return
-        with self._counters.as_of(decided.counters):
+        with self._counters.as_of(decided.counters), decided.as_it_ran():
             try:
                 report = self._checker.conclude_safely(decided.launched, decided.values())
             finally:
-                take_back_flag(decided.optimizer)
+                take_back_flag(decided.optimizer, decided.flag)
             self._arbiter.detect(report)
             self._arbiter.settle(hold=False, before_step=decided.optimizer, applied_nothing=True)
 
@@ -504,6 +512,22 @@ class Watcher(WatcherReads):
 
     def _log_summary(self, summary: Summary) -> None:
         self.logger.info(summary.to_text())
+
+
+# The optimizers that took a step decided on the host: their state is made (held weakly).
+_STEPPED: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+
+
+def _stepped_every_parameter(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether the optimizer's state is made for every parameter it keeps state for: a fused optimizer told to skip
+    the step that would make it leaves it uninitialised (fused SGD's momentum comes from `empty_like`), so the first
+    step, and the first after a parameter joins, are decided on the host. (An optimizer that keeps no state, plain
+    SGD, has nothing to make.)"""
+    if optimizer not in _STEPPED:
+        _STEPPED.add(optimizer)  # this first step is the host's
+        return False
+    state = optimizer.state
+    return not state or all(param in state for group in optimizer.param_groups for param in group["params"])
 
 
 def _detection_of(report: Report, rank: int) -> Detection:

@@ -101,8 +101,9 @@ def test_no_host_read_comes_before_a_steps_update_only_the_last_steps_verdict_af
                 handle.step()
             reads_by_step.append((reads_before_update, counted.reads))
     assert all(before == [] for before, _ in reads_by_step)
-    assert reads_by_step[0][1] == []  # nothing decided yet
-    assert all(len(reads) == 1 for _, reads in reads_by_step[1:])  # the previous step's summary, and only that
+    # The first step is decided on the host (it makes the optimizer's state, which a skipped step would leave
+    # unmade): its one read, at the step. The second is handed over and read at the third, and so on.
+    assert [len(reads) for _, reads in reads_by_step] == [1, 0, 1, 1]
 
 
 def test_under_skip_the_step_is_listed_and_the_run_ends_as_one_that_never_took_it(
@@ -165,6 +166,7 @@ def test_an_evaluation_between_steps_concludes_the_last_step_first(capsys: pytes
     assert seen[-1] == BAD  # raised by the evaluation after the bad step, before any later step
     assert (caught.value.batch_number, caught.value.phase) == (BAD, "train")
     assert "the sentinel saw inf/nan in output of the model" in caught.value.report
+    assert caught.value.replay == "reproduced"  # replayed in the training mode the step ran in
 
 
 def test_a_plain_optimizer_is_decided_on_the_host_before_its_step() -> None:
@@ -197,3 +199,48 @@ def test_a_gradscalers_flag_is_never_replaced() -> None:
     assert all(flag is not None for flag in handed)
     assert handle.watcher.counters.optimizer_step == 3
     assert not hasattr(optimizer, "found_inf")
+
+
+def test_a_headroom_warning_never_skips_a_step() -> None:
+    """Only what detects inf/nan goes into the optimizer's flag: a loss near float16's largest value warns (the
+    headroom check), and every step still applies."""
+    model, optimizer = model_and_optimizer()
+    with nanwatch.watch(model, mode="sentinel", optimizer=optimizer, report_dir=None) as handle:
+        for batch in range(5):
+            loss = model(inputs(0)).pow(2).mean()
+            handle.watch_loss(loss.half() * 0 + torch.tensor(6.0e4, dtype=torch.float16))
+            loss.backward()
+            before = [param.detach().clone() for param in model.parameters()]
+            optimizer.step()
+            optimizer.zero_grad()
+            handle.step()
+            if batch > 0:  # (the first step is the host's)
+                assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True)), batch
+
+
+def test_a_skipped_first_step_leaves_no_unmade_state_behind() -> None:
+    """Fused SGD makes its momentum with `empty_like` in its first step: told to skip that step, it would keep
+    garbage. The first step is decided on the host, so a nan there is skipped by clearing the gradients."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9, fused=True)
+    with nanwatch.watch(model, mode="sentinel", optimizer=optimizer, on_detect="skip", report_dir=None) as handle:
+        for batch in range(4):
+            x = inputs(10 + batch)
+            if batch == 0:
+                x[0, 0] = float("nan")
+            model(x).pow(2).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            handle.step()
+    assert [entry["batch_number"] for entry in handle.skipped] == [0]
+    assert all(torch.isfinite(param).all() for param in model.parameters())
+
+
+def test_a_nan_in_the_last_step_is_raised_by_close_too() -> None:
+    model, optimizer = model_and_optimizer()
+    handle = nanwatch.watch(model, mode="sentinel", optimizer=optimizer, report_dir=None)
+    train(model, optimizer, handle, BAD + 1, [])
+    with pytest.raises(NonFiniteError) as caught:
+        handle.close()
+    assert (caught.value.batch_number, caught.value.optimizer_step) == (BAD, BAD)

@@ -32,11 +32,13 @@ _is_deferred = DeferredFrame.__instancecheck__  # (no subclasses)
 class Launched:
     """A check's first half: the frames it covers and what it looks at, folded on the device, not read yet.
 
-    `taken`: the frames left the recorder at launch (the check concludes later, while new frames are recorded)."""
+    `taken`: the frames left the recorder at launch (the check concludes later, while new frames are recorded).
+    `detecting`: how many of `folded`, first, hold only what detects inf/nan (the frames, detecting features)."""
 
     pending: list[Frame]
     folded: list[Folded[Feature | None]]
     taken: bool = False
+    detecting: int = 0  # the first this many of `folded` hold what detects inf/nan (the rest: warnings only)
 
 
 class Checker:
@@ -132,7 +134,15 @@ class Checker:
         self._recorder.judge_probes()
         if pending and not self.batch_recorded:
             self.batch_recorded = any(frame.module_name != "(loss)" for frame in pending)
-        launched = Launched(pending, fold(self._parts(pending, features=True)), taken=take)
+        parts = self._parts(pending, features=True)
+        # What detects (the frames, and features that report inf/nan) folded apart from what only warns (headroom,
+        # spikes): a step decided on the device is skipped for the first, never for the second.
+        # (Only for a check handed over: the host's check reads one fold.)
+        if not take:
+            return Launched(pending, fold(parts))
+        detecting = fold([part for part in parts if part[1] is None or part[1].detects])
+        warning = fold([part for part in parts if part[1] is not None and not part[1].detects])
+        launched = Launched(pending, detecting + warning, taken=take, detecting=len(detecting))
         if take:
             self._recorder.pending = []
         return launched

@@ -14,7 +14,8 @@ counters are put back to that step while it is reviewed, reported and raised (or
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,10 +28,11 @@ __all__ = ["DecidedOnDevice", "skip_flag"]
 
 def skip_flag(launched: Launched) -> torch.Tensor | None:
     """The optimizer's `found_inf` for this check: a 0-d float32 tensor, 1.0 when anything it looks at holds inf/nan
-    and 0.0 otherwise, made on the device in one op or two; None when the check spans several devices."""
-    if len(launched.folded) != 1:
+    and 0.0 otherwise, made on the device in one op or two, from what detects inf/nan only (the frames, the guard,
+    the sentinel; never a feature that only warns); None when that spans several devices."""
+    if launched.detecting != 1:  # nothing that detects, or several devices: the host decides
         return None
-    summary = launched.folded[0].summary
+    summary = launched.folded[0].summary  # what detects only: a warning (headroom) never skips a step
     # Each level of the summary is 0 (fine) or nan (tripped): their sum too, and nan becomes 1.0.
     level = summary.reshape(()) if summary.numel() == 1 else summary.sum()
     return torch.nan_to_num(level.float(), nan=1.0)
@@ -44,17 +46,27 @@ class DecidedOnDevice:
         launched: the check's first half (core/engine/checker.py).
         optimizer: the optimizer that took the flag.
         counters: where the run was when the check was launched (`Counters.snapshot`).
+        flag: the `found_inf` handed to the optimizer.
     """
 
     launched: Launched
     optimizer: torch.optim.Optimizer
     counters: Mapping[str, Any]
+    flag: torch.Tensor  # the `found_inf` handed to the optimizer
     _host: list[torch.Tensor]
     _ready: Any = None  # a CUDA event recorded behind the copies to pinned memory
+    # Each module's `training` as the step ran: put back while it is concluded (a replay runs the step's forward
+    # as it ran, even when an evaluation between the steps is what concludes it).
+    training: list[tuple[torch.nn.Module, bool]] | None = None
 
     @classmethod
     def start(
-        cls, launched: Launched, optimizer: torch.optim.Optimizer, counters: Mapping[str, Any]
+        cls,
+        launched: Launched,
+        optimizer: torch.optim.Optimizer,
+        counters: Mapping[str, Any],
+        flag: torch.Tensor,
+        model: torch.nn.Module,
     ) -> DecidedOnDevice:
         """Copy the folded summaries to the host behind the work queued so far (no wait)."""
         host, ready = [], None
@@ -70,7 +82,20 @@ class DecidedOnDevice:
                 host.append(summary)
         if ready is not None:
             ready.record()
-        return cls(launched, optimizer, counters, host, ready)
+        training = [(module, module.training) for module in model.modules()]
+        return cls(launched, optimizer, counters, flag, host, ready, training)
+
+    @contextlib.contextmanager
+    def as_it_ran(self) -> Iterator[None]:
+        """The modules in the training modes they had as the step ran, inside the block; as they are after it."""
+        now = [(module, module.training) for module, _ in self.training or ()]
+        try:
+            for module, training in self.training or ():
+                module.training = training
+            yield
+        finally:
+            for module, training in now:
+                module.training = training
 
     def values(self) -> list[list[float]]:
         """The summaries on the host: a step after they were queued, the copy is long done."""
