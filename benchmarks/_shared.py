@@ -1,4 +1,5 @@
-"""What more than one benchmark uses: the dispatch-bound step, and the means to share one model among several tools.
+"""What more than one benchmark uses: the dispatch-bound step, counting module calls, and the means to share one model
+among several tools.
 
 Not a script: the benchmarks import it (`from _shared import ...`; a script's own folder is first on its path).
 """
@@ -26,6 +27,20 @@ def dispatch_step() -> tuple[nn.Sequential, torch.Tensor, torch.optim.Optimizer]
     model = nn.Sequential(*layers)
     inputs = torch.randn(BATCH, 4)
     return model, inputs, torch.optim.SGD(model.parameters(), lr=1e-5, foreach=True)
+
+
+def module_calls(model: nn.Module, forward: Callable[[], Any]) -> int:
+    """How many module calls `forward()` (a forward of `model`) makes, counted by pre-hooks taken off after, under
+    `torch.no_grad()`: what a step's added time or ops are divided by to give a figure per module call."""
+    calls: list[int] = []
+    handles = [module.register_forward_pre_hook(lambda *_: calls.append(1)) for module in model.modules()]
+    try:
+        with torch.no_grad():
+            forward()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return len(calls)
 
 
 def shares_its_model(handle: Any) -> None:

@@ -40,6 +40,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
+from _shared import module_calls
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -190,23 +191,6 @@ def build(small: bool) -> tuple[torch.nn.Module, torch.Tensor]:
     return model, ids
 
 
-def module_calls(model: torch.nn.Module, ids: torch.Tensor) -> int:
-    calls = 0
-
-    def count(*_: Any) -> None:
-        nonlocal calls
-        calls += 1
-
-    handles = [module.register_forward_pre_hook(count) for module in model.modules()]
-    try:
-        with torch.no_grad():
-            model(ids)
-    finally:
-        for handle in handles:
-            handle.remove()
-    return calls
-
-
 @dataclass
 class Figures:
     variant: str
@@ -285,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(2)
     base, ids = build(args.small)
-    calls = module_calls(base, ids)
+    calls = module_calls(base, lambda: base(ids))
     wanted = [v for v in args.variants.split(",") if v]
     figures = {name: run_variant(name, base, ids, args.warmup, args.steps, where=args.where) for name in wanted}
     for name, figure in figures.items():

@@ -39,6 +39,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from _shared import module_calls
 from torch import nn
 
 import nanwatch
@@ -333,24 +334,12 @@ def gpt2_lm(layers: int, width: int, vocab: int, seq: int, device: torch.device)
     return GPT2LMHeadModel(config).to(device)
 
 
-def module_calls(model: nn.Module, ids: torch.Tensor) -> int:
-    calls: list[int] = []
-    handles = [module.register_forward_pre_hook(lambda *_: calls.append(1)) for module in model.modules()]
-    try:
-        with torch.no_grad():
-            model(ids)
-    finally:
-        for handle in handles:
-            handle.remove()
-    return len(calls)
-
-
 def check_step(layers: int, width: int, device: torch.device, steps: int) -> dict[str, Any]:
     """Per variant: syncs per steady step, launches per steady step (and added per module call), ms per step."""
     vocab, batch, seq = 8192, 8, 128
     base = gpt2_lm(layers, width, vocab, seq, device)
     ids = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(0)).to(device)
-    calls = module_calls(base, ids)
+    calls = module_calls(base, lambda: base(ids))
     found: dict[str, Any] = {"shape": f"{layers} layers x {width}", "module_calls": calls}
     for variant in STEP_VARIANTS:
         model = copy.deepcopy(base)

@@ -53,7 +53,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _shared import HookStash, shares_its_model
+from _shared import HookStash, module_calls, shares_its_model
 
 import nanwatch
 
@@ -183,21 +183,8 @@ class Workload:
     def module_calls(self) -> int:
         """How many module calls one forward makes (an inference forward, counted by hooks taken off after): what
         the added time per step is divided by to give the hooks' cost per module call."""
-        calls = 0
-
-        def count(*_: Any) -> None:
-            nonlocal calls
-            calls += 1
-
-        handles = [module.register_forward_pre_hook(count) for module in self.model.modules()]
-        try:
-            self.model.eval()
-            with torch.no_grad():
-                self.infer()
-        finally:
-            for handle in handles:
-                handle.remove()
-        return calls
+        self.model.eval()
+        return module_calls(self.model, self.infer)
 
 
 class GPT2Workload(Workload):

@@ -174,17 +174,8 @@ class Watcher(WatcherReads):
         skipped."""
         decided, self._on_device = self._on_device, None
         assert decided is not None
-        with self._counters.as_of(decided.counters), decided.as_it_ran():
-            try:
-                report = self._checker.conclude_safely(decided.launched, decided.values())
-            finally:
-                take_back_flag(decided.optimizer, decided.flag)
-            self._arbiter.detect(report)
-            try:
-                self._arbiter.settle(hold=False, before_step=decided.optimizer, applied_nothing=True)
-            except NonFiniteError as error:
-                return report, error
-        return None, None
+        report, error = self._conclude(decided)
+        return (report, error) if error is not None else (None, None)
 
     def _let_go(self) -> None:
         """Closed: hold nothing of the model any more (the modules, the compiled path's adapter hooks, the cache's
@@ -448,15 +439,25 @@ class Watcher(WatcherReads):
         """Read and conclude the check an optimizer decided on the device a step ago: as of that step, a detection is
         reported, raised or listed as skipped (the optimizer applied nothing; the step's gradients are gone)."""
         decided, self._on_device = self._on_device, None
-        if decided is None:
-            return
+        if decided is not None:
+            _, error = self._conclude(decided)
+            if error is not None:
+                raise error
+
+    def _conclude(self, decided: DecidedOnDevice) -> tuple[Report | None, NonFiniteError | None]:
+        """`decided` read back and settled as of its step, in the training modes it ran in: its report, and the
+        error the arbiter raised for it (built as of that step), if any."""
         with self._counters.as_of(decided.counters), decided.as_it_ran():
             try:
                 report = self._checker.conclude_safely(decided.launched, decided.values())
             finally:
                 take_back_flag(decided.optimizer, decided.flag)
             self._arbiter.detect(report)
-            self._arbiter.settle(hold=False, before_step=decided.optimizer, applied_nothing=True)
+            try:
+                self._arbiter.settle(hold=False, before_step=decided.optimizer, applied_nothing=True)
+            except NonFiniteError as error:
+                return report, error
+        return report, None
 
     def _micro_batch_raised(self) -> None:
         resume_collection()  # the micro-batch ends here
