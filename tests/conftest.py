@@ -10,6 +10,28 @@ import pytest
 from nanwatch.core.log import get_logger
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--accelerator-path",
+        action="store_true",
+        help="measure CPU tensors the accelerator's way in every test (core/stats/paths.py): what a GPU run measures",
+    )
+
+
+@pytest.fixture(autouse=True)
+def _accelerator_path(request: pytest.FixtureRequest) -> Iterator[None]:
+    """With --accelerator-path, every test runs nanwatch's accelerator path on its CPU tensors (tests/
+    test_accelerator_path.py runs the suites that matter most that way in the ordinary run), except those about the
+    CPU's own path (marked `cpu_path`)."""
+    if not request.config.getoption("--accelerator-path") or request.node.get_closest_marker("cpu_path"):
+        yield
+        return
+    from nanwatch.core.stats.paths import cpu_as_accelerator
+
+    with cpu_as_accelerator():
+        yield
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The quick tier (`pytest -m "not slow"`) leaves out what takes seconds, not milliseconds: every test that runs
     real processes (`multiprocess`) is slow, and so is each test marked `slow` where it is defined (a real framework's

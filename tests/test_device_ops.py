@@ -11,12 +11,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# Full mode on the small GPT-2 adds 3.65 ops per module call today; the design's target is 2.0 (not met yet: the
-# per-call statistics are not batched into multi-tensor kernels). This bound keeps it from growing meanwhile.
-FULL_OPS_PER_CALL_NOW = 3.7
+# Full mode on the small GPT-2, the CPU's path: 3.16 ops per module call (two per tensor measured as it is seen, which
+# is what the CPU runs fastest; a CPU op launches nothing). This bound keeps it from growing.
+FULL_OPS_PER_CALL_ON_THE_CPU = 3.2
 
 
-def test_sentinel_mode_adds_at_most_12_ops_and_no_blocking_read_with_a_fused_adamw(tmp_path: Path) -> None:
+def test_watching_adds_few_device_ops_and_no_blocking_read_in_sentinel_mode_with_a_fused_adamw(tmp_path: Path) -> None:
     output = tmp_path / "ops.json"
     run = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "device_ops.py"), "--small", "--json", str(output)],
@@ -35,4 +35,10 @@ def test_sentinel_mode_adds_at_most_12_ops_and_no_blocking_read_with_a_fused_ada
     assert figures["sentinel+fused"]["blocking_reads_added_per_step"] == 0, run.stdout
     assert figures["sentinel+fused"]["reads_per_step"] >= 1  # the verdict is read: a step late, not never
     for variant in ("full", "full+fused"):
-        assert figures[variant]["ops_added_per_module_call"] <= FULL_OPS_PER_CALL_NOW, run.stdout
+        assert figures[variant]["ops_added_per_module_call"] <= FULL_OPS_PER_CALL_ON_THE_CPU, run.stdout
+        # What a GPU launches: the accelerator's path (multi-tensor kernels, activations pooled), run on the CPU.
+        assert figures[f"{variant}@accelerator"]["ops_added_per_module_call"] <= 2.0, run.stdout
+    for variant in ("sentinel", "sentinel+fused"):  # the same targets on the accelerator's path
+        accelerated = figures[f"{variant}@accelerator"]
+        assert accelerated["ops_added_per_step"] <= 12, run.stdout
+        assert accelerated["blocking_reads_added_per_step"] <= figures[variant]["blocking_reads_added_per_step"]

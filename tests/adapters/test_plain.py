@@ -701,6 +701,7 @@ def test_a_model_built_and_run_under_inference_mode() -> None:
                 model(torch.randn(2, 4))
 
 
+@pytest.mark.cpu_path  # measure() as each call returns: the CPU's way
 def test_an_internal_failure_disables_watching_and_training_continues(monkeypatch: pytest.MonkeyPatch) -> None:
     model = small_mlp()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)

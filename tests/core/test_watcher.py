@@ -450,6 +450,7 @@ def test_pending_frames_stay_bounded_when_batches_never_end(monkeypatch: pytest.
     assert info.value.batch_number == 0
 
 
+@pytest.mark.cpu_path  # measure() as each call returns: the CPU's way
 def test_a_failure_in_measuring_disables_watching_and_the_run_goes_on(monkeypatch: pytest.MonkeyPatch) -> None:
     model = small_mlp(out_features=2)
     x = torch.randn(2, 4)

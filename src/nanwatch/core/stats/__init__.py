@@ -1,7 +1,7 @@
 """Per-tensor statistics: each declared once (`base.Statistic`), listed in `registry`.
 
-The declarations import no torch; `kernels`, `limits`, `measure`, `stacking`, `cache` and `readback` (the device side)
-do, and only watchers import them.
+The declarations import no torch; `kernels`, `limits`, `measure`, `grouped`, `pooled`, `paths`, `cache` and
+`readback` (the device side) do, and only watchers import them.
 """
 
 from nanwatch.core.stats.abs_range import ABS_RANGE, AbsRange

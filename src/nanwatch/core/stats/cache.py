@@ -17,6 +17,8 @@ from nanwatch.core.stats.grouped import StackPlan
 from nanwatch.core.stats.kernels import ABS_KEEPS_DTYPE
 from nanwatch.core.stats.measure import _RANGE, ExtraKernels, Measurement, StackedMeasurement, measure
 from nanwatch.core.stats.output_rows import STAGE_MAX_NUMEL, DtypeRows, Staging
+from nanwatch.core.stats.paths import multi_tensor_kernels
+from nanwatch.core.stats.pooled import Pool, PoolOwner, Probes
 
 __all__ = ["StatsCache", "TrackedBatch"]
 
@@ -123,6 +125,12 @@ class StatsCache:
         self._activations: dict[object, _ActivationHit] = {}
         # Small activations are copied there and measured together when read (the check).
         self._staging = Staging()
+        # On an accelerator, the activations of watched modules that earned it are kept there and measured together
+        # when read (pooled.py): `owner` is the module whose call is being recorded (set by the recorder), None
+        # outside a recorded call.
+        self._pool = Pool()
+        self.owner: PoolOwner | None = None
+        self._pool_probes = Probes()
 
     @property
     def kernels(self) -> ExtraKernels:
@@ -240,6 +248,11 @@ class StatsCache:
     def _activation_miss(self, tensor: torch.Tensor, version: int) -> Measurement:
         if tensor.is_nested:  # no shape or stride to key on
             return measure(tensor, self._kernels)
+        owner = self.owner
+        if owner is not None and type(tensor) is torch.Tensor and not self._kernels and multi_tensor_kernels(tensor):
+            pooled = self._pool_or_probe(tensor, version, owner)
+            if pooled is not None:
+                return pooled
         if type(tensor) is torch.Tensor and not self._kernels:
             # The commonest miss first (a module's fresh output): plain, small, with storage: staged, one copy.
             found = self._staging.stage_plain(tensor)
@@ -291,6 +304,25 @@ class StatsCache:
             self._activations[key] = entry
         return measurement
 
+    def _pool_or_probe(self, tensor: torch.Tensor, version: int, owner: PoolOwner) -> Measurement | None:
+        """On an accelerator: the tensor kept in the pool when its module earned it (None when it is not kept); in
+        the module's first recorded batch, noted for the check to judge (`judge_pool_probes`)."""
+        if not owner.pooled:
+            if not owner.pool_judged:
+                self._pool_probes.note(tensor, version, owner)
+            return None
+        if tensor.layout is not torch.strided or tensor.is_meta or not tensor.numel():
+            return None
+        pooled = self._pool.keep(tensor, version, owner)
+        if pooled is not None:
+            self._last = self._by_id[id(tensor)] = _seen(tensor, version, _pointer(tensor), pooled)
+        return pooled
+
+    def judge_pool_probes(self) -> None:
+        """At a check: the modules recorded for the first time since the last one have their tensors pooled from now
+        on, unless one was changed in place after its call (pooled.py)."""
+        self._pool_probes.judge()
+
     def forget_parameters(self) -> None:
         """Drop parameter entries (between training batches), for writes no fingerprint sees: fused optimizers."""
         self._params.clear()
@@ -302,6 +334,7 @@ class StatsCache:
         self._by_id.clear()
         self._activations.clear()
         self._staging.rewind()
+        self._pool.settle()
 
     def clear(self) -> None:
         """Forget everything, the tracked parameters too (`track_parameters`), and free the staging buffers: a cleared
@@ -309,5 +342,6 @@ class StatsCache:
         self.forget_parameters()
         self.forget_activations()
         self._staging.clear()
+        self._pool_probes.clear()
         self._plan, self._index, self.measured_batch = None, {}, None
         self._versions, self._pointers, self._dtypes = [], [], []

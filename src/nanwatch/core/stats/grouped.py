@@ -17,6 +17,8 @@ import torch
 
 from nanwatch.core.stats.measure import ExtraKernels, Measurement, StackedMeasurement, measure, measure_extras
 from nanwatch.core.stats.output_rows import DtypeRows, Rows
+from nanwatch.core.stats.paths import multi_tensor_kernels
+from nanwatch.core.stats.pooled import POOL_MAX_ELEMENTS, multi_tensor_range
 
 __all__ = ["StackPlan", "measure_together", "MagnitudePlan", "as_vector"]
 
@@ -37,41 +39,61 @@ def measure_together(tensors: Sequence[torch.Tensor], kernels: ExtraKernels = ()
 
 
 class StackPlan:
-    """How a list of tensors (a model's parameters) is measured together: small floating-point tensors of one device,
-    dtype and shape are stacked and reduced in one go (three kernel launches per stack, not two per tensor), the
-    others measured one by one. For a model of many small layers, where launching kernels costs more than running
-    them. The numbers are those of `measure()` (a min and a max are exact however they are grouped). The plan is made
-    once, for the tensors' `dtypes` then."""
+    """How a list of tensors (a model's parameters) is measured together: on the CPU, small floating-point tensors of
+    one device, dtype and shape are stacked and reduced in one go (three ops per stack, not two per tensor); on an
+    accelerator, floating-point tensors of one device and dtype, any shapes, take six multi-tensor ops a group
+    (`pooled.multi_tensor_range`, paths.py); the others are measured one by one. For a model of many small layers,
+    where launching kernels costs more than running them. The numbers are those of `measure()` (a min and a max are
+    exact however they are grouped). The plan is made once, for the tensors' `dtypes` then."""
 
     def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
         self.tensors = list(tensors)
         # The dtypes it was made for: a tensor whose dtype changed since (`.data` replaced by `model.half()`) needs
         # a new plan.
         self.dtypes = [tensor.dtype for tensor in self.tensors]
-        self.stacks: list[tuple[list[torch.Tensor], torch.dtype, torch.Size]] = []
+        # Each group's tensors, dtype, and shape: one stack of tensors of that shape, or (None) a multi-tensor group
+        # of one device and dtype, any shapes (on an accelerator: `pooled.multi_tensor_range`).
+        self.stacks: list[tuple[list[torch.Tensor], torch.dtype, torch.Size | None]] = []
         self.alone: list[int] = []
         groups: dict[tuple[torch.device, torch.dtype, torch.Size], list[int]] = {}
+        multi: dict[tuple[torch.device, torch.dtype], list[int]] = {}
         for index, tensor in enumerate(self.tensors):
             if (
                 type(tensor) in _PLAIN
                 and tensor.dtype in _STACKED_DTYPES
                 and tensor.layout is torch.strided
+                and not tensor.is_nested
                 and not tensor.is_meta
-                and 0 < tensor.numel() <= _STACK_MAX_NUMEL
+                and tensor.numel() > 0
             ):
-                groups.setdefault((tensor.device, tensor.dtype, tensor.shape), []).append(index)
-            else:
-                self.alone.append(index)
-        self.members: list[list[int]] = []  # each stack's tensors, by index
+                if multi_tensor_kernels(tensor):
+                    if tensor.numel() <= POOL_MAX_ELEMENTS and tensor.is_contiguous():
+                        multi.setdefault((tensor.device, tensor.dtype), []).append(index)
+                        continue
+                elif tensor.numel() <= _STACK_MAX_NUMEL:
+                    groups.setdefault((tensor.device, tensor.dtype, tensor.shape), []).append(index)
+                    continue
+            self.alone.append(index)
+        self.members: list[list[int]] = []  # each group's tensors, by index
+        for (_device, dtype), indices in multi.items():
+            # At most POOL_MAX_ELEMENTS elements a group: the temporaries of its measurement stay bounded.
+            chunk: list[int] = []
+            elements = 0
+            for index in indices:
+                numel = self.tensors[index].numel()
+                if chunk and elements + numel > POOL_MAX_ELEMENTS:
+                    self._add_group(chunk, dtype, None)
+                    chunk, elements = [], 0
+                chunk.append(index)
+                elements += numel
+            self._add_group(chunk, dtype, None)
         for (_device, dtype, shape), indices in groups.items():
             if len(indices) < 2:
                 self.alone += indices
                 continue
             per_stack = max(2, _STACK_ELEMENTS // max(1, shape.numel()))
             for start in range(0, len(indices), per_stack):
-                chunk = indices[start : start + per_stack]
-                self.stacks.append(([self.tensors[index] for index in chunk], dtype, shape))
-                self.members.append(chunk)
+                self._add_group(indices[start : start + per_stack], dtype, shape)
         # Where each tensor's measurement is: (stack, row), or (-1, its place among those measured alone).
         self.places: list[tuple[int, int]] = [(-1, 0)] * len(self.tensors)
         for number, chunk in enumerate(self.members):
@@ -79,6 +101,10 @@ class StackPlan:
                 self.places[index] = (number, row)
         for position, index in enumerate(self.alone):
             self.places[index] = (-1, position)
+
+    def _add_group(self, indices: list[int], dtype: torch.dtype, shape: torch.Size | None) -> None:
+        self.stacks.append(([self.tensors[index] for index in indices], dtype, shape))
+        self.members.append(indices)
 
     def measure(self, kernels: ExtraKernels = ()) -> list[Measurement]:
         """The measurements, in the order of the tensors given. Raises RuntimeError when a stacked tensor changed its
@@ -94,12 +120,15 @@ class StackPlan:
         stacks: list[DtypeRows] = []
         extras: list[list[Any]] = []
         with torch.no_grad():  # no graph for the stacks of parameters that require grad
-            for stack, dtype, _ in self.stacks:
-                # One column per tensor: amin/amax over dim 0 of the transposed rows run as a few long vector passes
-                # (aminmax along short rows is several times slower). min and max propagate nan, as a whole-tensor
-                # aminmax does.
-                columns = torch.stack(stack).abs_().view(len(stack), -1).t()
-                stacks.append(DtypeRows(Rows(columns.amin(0), columns.amax(0)), dtype))
+            for stack, dtype, shape in self.stacks:
+                if shape is None:  # an accelerator's group: a few multi-tensor kernels, any shapes
+                    stacks.append(DtypeRows(Rows(*multi_tensor_range(stack)), dtype))
+                else:
+                    # One column per tensor: amin/amax over dim 0 of the transposed rows run as a few long vector
+                    # passes (aminmax along short rows is several times slower). min and max propagate nan, as a
+                    # whole-tensor aminmax does.
+                    columns = torch.stack(stack).abs_().view(len(stack), -1).t()
+                    stacks.append(DtypeRows(Rows(columns.amin(0), columns.amax(0)), dtype))
                 if kernels:
                     extras.append([measure_extras(tensor.detach(), kernels) for tensor in stack])
         alone = [measure(self.tensors[index], kernels) for index in self.alone]
@@ -117,7 +146,12 @@ class PlanMeasurements(Sequence[Measurement]):
 
     def __init__(self, plan: StackPlan, stacks: list[DtypeRows], alone: list[Measurement]) -> None:
         self._places, self._members = plan.places, plan.members
-        self._shapes = [tuple(shape) for _, _, shape in plan.stacks]
+        # Each group's shape, or for a multi-tensor group each member's, as measured (never the tensors: a frame kept
+        # in the ring holds these, and a closed watcher holds nothing of the model).
+        self._shapes: list[tuple[int, ...] | list[tuple[int, ...]]] = [
+            [tuple(tensor.shape) for tensor in stack] if shape is None else tuple(shape)
+            for stack, _, shape in plan.stacks
+        ]
         self._stacks = stacks
         self._alone = alone
         self._made: list[Measurement | None] = [None] * len(plan.places)
@@ -145,7 +179,10 @@ class PlanMeasurements(Sequence[Measurement]):
         found = self._made[index]
         if found is None:
             rows, dtype = self._stacks[number]
-            found = self._made[index] = StackedMeasurement(rows, row, dtype, self._shapes[number])
+            shape = self._shapes[number]
+            if isinstance(shape, list):  # a multi-tensor group: each tensor its own shape
+                shape = shape[row]
+            found = self._made[index] = StackedMeasurement(rows, row, dtype, shape)
         assert isinstance(found, StackedMeasurement)
         return found
 
@@ -169,7 +206,7 @@ class MagnitudePlan:
 
     def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
         self.size = len(tensors)
-        self.accelerated = not all(tensor.is_cpu for tensor in tensors)
+        self.accelerated = any(map(multi_tensor_kernels, tensors))
         self.stacks: list[list[int]] = []
         self.alone: list[int] = []
         self._takes: list[operator.itemgetter[Any]] = []

@@ -6,6 +6,8 @@ import threading
 
 import torch
 
+from nanwatch.core.stats.paths import multi_tensor_kernels
+
 __all__ = ["FLOAT8_DTYPES", "ABS_KEEPS_DTYPE", "abs_aminmax", "count_non_finite", "values_of"]
 
 FLOAT8_DTYPES: frozenset[torch.dtype] = frozenset(
@@ -80,7 +82,7 @@ def abs_aminmax(data: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """
     numel = data.numel()
     # Subclasses (DTensor, fake tensors) keep their own semantics: no writing into a plain buffer for them.
-    if not data.is_cpu or type(data) is not torch.Tensor:
+    if multi_tensor_kernels(data) or type(data) is not torch.Tensor:
         if numel <= _DEVICE_CHUNK or not data.is_contiguous():
             return torch.aminmax(data.abs())
         flat = data.view(-1)

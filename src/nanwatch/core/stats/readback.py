@@ -17,12 +17,15 @@ import torch
 from nanwatch.core.stats.base import Values
 from nanwatch.core.stats.measure import Measurement, StackedMeasurement
 from nanwatch.core.stats.output_rows import DtypeRows, Rows
+from nanwatch.core.stats.pooled import PooledMeasurement
 from nanwatch.core.stats.registry import extras, lead
 
 __all__ = ["Folded", "Screened", "fold", "stack_maxima", "read_flags", "holds_non_finite", "ReadBack", "read_back"]
 
 
 _Owner = TypeVar("_Owner")
+# Measurements that are rows of a vector: read with it, whole.
+_ROW_MEASUREMENTS = (StackedMeasurement, PooledMeasurement)
 
 
 def stack_maxima(
@@ -38,7 +41,7 @@ def stack_maxima(
         if key in seen:
             continue
         seen.add(key)
-        if type(measurement) is StackedMeasurement:  # read with its stack's vector, not one by one
+        if isinstance(measurement, _ROW_MEASUREMENTS):  # read with its stack's vector, not one by one
             rows = measurement.rows
             stack = stacked.get(id(rows))
             if stack is None:
@@ -50,18 +53,19 @@ def stack_maxima(
         if maximum is None or not maximum.is_floating_point():
             continue
         groups.setdefault((maximum.device, measurement.dtype), []).append(maximum)
-    found = {group: torch.stack(values) for group, values in groups.items()}
+    # Each group's vectors, joined by one op at the end (not one per stack).
+    vectors: dict[tuple[torch.device, torch.dtype | None], list[torch.Tensor]] = {
+        group: [torch.stack(values)] for group, values in groups.items()
+    }
     for rows, dtype, used in stacked.values():
         highs = rows.highs
         if len(used) != len(highs):  # some modules did not run: their parameters are not part of these frames
             highs = highs.index_select(0, torch.tensor(used, device=highs.device))
-        group = (highs.device, dtype)
-        found[group] = highs if group not in found else torch.cat([found[group], highs])
+        vectors.setdefault((highs.device, dtype), []).append(highs)
     for rows, dtype in whole:
         highs = rows.highs
-        group = (highs.device, dtype)
-        found[group] = highs if group not in found else torch.cat([found[group], highs])
-    return found
+        vectors.setdefault((highs.device, dtype), []).append(highs)
+    return {group: parts[0] if len(parts) == 1 else torch.cat(parts) for group, parts in vectors.items()}
 
 
 Screened = torch.Tensor | Sequence[torch.Tensor]

@@ -65,7 +65,7 @@ class Site:
     """One watched module, as the recorder knows it: its names, its parameter lines, and whether its calls may be
     deferred."""
 
-    __slots__ = ("name", "class_name", "lines", "defer", "probed", "changed", "screened")
+    __slots__ = ("name", "class_name", "lines", "defer", "probed", "changed", "screened", "pooled", "pool_judged")
 
     def __init__(self, name: str, class_name: str) -> None:
         self.name, self.class_name = name, class_name
@@ -76,6 +76,10 @@ class Site:
         # The settlement and batch measurement (`Deferral._screen_key`) whose screen already holds its parameters:
         # once per module.
         self.screened: object = None
+        # On an accelerator: its calls' tensors are kept and measured together at the check (core/stats/pooled.py),
+        # once its first recorded batch showed nothing changed them in place after its calls (`pool_judged`).
+        self.pooled = False
+        self.pool_judged = False
 
 
 class Probe(NamedTuple):
@@ -247,7 +251,7 @@ class Deferral:
             site = probe.site
             site.probed = True
             if probe.output._version != probe.version:
-                site.changed, site.defer = True, False
+                site.changed, site.defer, site.pooled = True, False, False
             elif not site.changed:
                 site.defer = True
 
@@ -302,7 +306,12 @@ class Deferral:
             tracked, named = None, _NO_PARAMETERS
         input_measured = None
         if input_row < 0:
-            input_measured = self._cache.activation(arg)
+            cache = self._cache
+            cache.owner = site  # the module's, for the cache's pool (an accelerator's: core/stats/pooled.py)
+            try:
+                input_measured = cache.activation(arg)
+            finally:
+                cache.owner = None
             self.settled.inputs.append(input_measured)
         if kept and output is kept[-1] and version == versions[-1]:  # a container returning its last child's output
             output_row = len(kept) - 1
@@ -347,8 +356,8 @@ class Deferral:
         for frame in pending:
             if type(frame) is DeferredFrame and frame.outputs is outputs and frame.output_row in changed:
                 site = frame.site
-                if isinstance(site, Site):
-                    site.defer, site.changed = False, True
+                if isinstance(site, Site):  # nor its tensors pooled (an accelerator's: core/stats/pooled.py)
+                    site.defer, site.changed, site.pooled = False, True, False
 
     def _check_parameters(self, batches: list[TrackedBatch]) -> None:
         """After settling: the parameters the settled calls' lines name, checked all at once."""

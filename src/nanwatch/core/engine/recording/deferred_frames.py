@@ -20,6 +20,8 @@ from nanwatch.core.frames import Direction, Entry, Frame, Role
 from nanwatch.core.stats.cache import TrackedBatch
 from nanwatch.core.stats.measure import Measurement, StackedMeasurement, measure
 from nanwatch.core.stats.output_rows import DtypeRows, Rows
+from nanwatch.core.stats.paths import multi_tensor_kernels
+from nanwatch.core.stats.pooled import CHANGED_AFTER_CALL, multi_tensor_range
 from nanwatch.core.walk import OUTPUT_LABEL, input_label
 
 __all__ = [
@@ -35,8 +37,6 @@ __all__ = [
 
 _PARAMETER, _INPUT, _OUTPUT, _FORWARD = Role.PARAMETER, Role.INPUT, Role.OUTPUT, Direction.FORWARD
 _INPUT_0 = input_label(0)
-# What a deferred output's line says when it was changed in place after its call, before the check measured it.
-CHANGED_AFTER_CALL = "changed in place after the call: not measured"
 # The dtypes of the outputs deferred: a stack of them measures each exactly.
 DEFERRED_DTYPES = frozenset((torch.float32, torch.float16, torch.bfloat16, torch.float64))
 _STRIDED = torch.strided
@@ -186,7 +186,7 @@ class DeferredFrame(Frame):
 class GroupRow(NamedTuple):
     """Where a deferred output was measured: its group, and its row there."""
 
-    group: _OutputGroup | _AloneGroup
+    group: _OutputGroup | _MultiGroup | _AloneGroup
     row: int
 
 
@@ -204,7 +204,7 @@ class DeferredOutputs:
         self.versions: list[int] = []  # each output's version counter at its call
         self.dtype: torch.dtype | None = None  # the first output's dtype, and whether another was admitted since
         self.mixed = False
-        self._groups: list[_OutputGroup | _AloneGroup] = []
+        self._groups: list[_OutputGroup | _MultiGroup | _AloneGroup] = []
         self._where: list[GroupRow] | None = None  # each output's group and row, with several groups
         # The outputs changed in place after their calls, by row: not measured (the values now are not what the call
         # returned), each shown as such (`measurement`).
@@ -242,6 +242,8 @@ class DeferredOutputs:
         if not tensors:
             return []
         first = tensors[0]
+        if multi_tensor_kernels(first):
+            return self._measure_multi(tensors)
         if not self.mixed:
             try:  # one stack: refused (RuntimeError) when shapes, devices or layouts differ
                 stacked = torch.stack(tensors)
@@ -262,6 +264,38 @@ class DeferredOutputs:
         read: list[DtypeRows] = []
         for (dtype, shape, _), rows in groups.items():
             group = _group([tensors[row] for row in rows], dtype, tuple(shape))
+            read += group.read()
+            self._groups.append(group)
+            for place, row in enumerate(rows):
+                where[row] = GroupRow(group, place)
+        self._where = [where[row] for row in range(len(tensors))]
+        return read
+
+    def _measure_multi(self, tensors: list[torch.Tensor]) -> list[DtypeRows]:
+        """`measure` on an accelerator: the outputs of one device and dtype, any shapes, in six multi-tensor ops
+        (core/stats/pooled.py); those a multi-tensor kernel does not take whole (sparse, nested, meta, empty, not
+        contiguous) each on its own."""
+        groups: dict[tuple[torch.dtype, torch.device], list[int]] = {}
+        alone: list[int] = []
+        for row, tensor in enumerate(tensors):
+            if (
+                tensor.layout is _STRIDED
+                and not tensor.is_nested
+                and not tensor.is_meta
+                and tensor.numel() > 0
+                and tensor.is_contiguous()
+            ):
+                groups.setdefault((tensor.dtype, tensor.device), []).append(row)
+            else:
+                alone.append(row)
+        where: dict[int, GroupRow] = {}
+        read: list[DtypeRows] = []
+        parts: list[tuple[_MultiGroup | _AloneGroup, list[int]]] = [
+            (_MultiGroup([tensors[row] for row in rows], dtype), rows) for (dtype, _), rows in groups.items()
+        ]
+        if alone:
+            parts.append((_AloneGroup([tensors[row] for row in alone]), alone))
+        for group, rows in parts:
             read += group.read()
             self._groups.append(group)
             for place, row in enumerate(rows):
@@ -316,6 +350,28 @@ class _OutputGroup:
         found = self.made.get(row)
         if found is None:
             found = self.made[row] = StackedMeasurement(self.rows, row, self.dtype, self.shape)
+        return found
+
+
+class _MultiGroup:
+    """Deferred outputs of one device and dtype, any shapes, measured with multi-tensor kernels (an accelerator's
+    way: core/stats/pooled.py)."""
+
+    __slots__ = ("rows", "dtype", "shapes", "made")
+
+    def __init__(self, tensors: list[torch.Tensor], dtype: torch.dtype) -> None:
+        self.rows = Rows(*multi_tensor_range(tensors))
+        self.dtype = dtype
+        self.shapes = [tuple(tensor.shape) for tensor in tensors]
+        self.made: dict[int, StackedMeasurement] = {}
+
+    def read(self) -> list[DtypeRows]:
+        return [DtypeRows(self.rows, self.dtype)]
+
+    def measurement(self, row: int) -> StackedMeasurement:
+        found = self.made.get(row)
+        if found is None:
+            found = self.made[row] = StackedMeasurement(self.rows, row, self.dtype, self.shapes[row])
         return found
 
 

@@ -215,26 +215,34 @@ class Recorder:
         known = site.lines
         entries = known.lines(params, cache) if params else []
         activation = cache.activation
-        # The labels of core/walk.py, with fast paths for a tensor and a flat tuple (`_add_leaves`).
-        for index, value in enumerate(args):
-            if isinstance(value, torch.Tensor):
-                entries.append(Entry(input_label(index), _INPUT, activation(value)))
+        # Whose tensors these are, for the cache's pool (an accelerator's: core/stats/pooled.py); a recompute's are
+        # measured as they are seen.
+        cache.owner = site if direction is _FORWARD else None
+        try:
+            # The labels of core/walk.py, with fast paths for a tensor and a flat tuple (`_add_leaves`).
+            for index, value in enumerate(args):
+                if isinstance(value, torch.Tensor):
+                    entries.append(Entry(input_label(index), _INPUT, activation(value)))
+                else:
+                    self._add_leaves(entries, value, input_label(index), INPUT)
+            if kwargs:
+                self._add_keyword_inputs(entries, kwargs)
+            if isinstance(output, torch.Tensor):
+                entries.append(Entry(OUTPUT_LABEL, _OUTPUT, activation(output)))
             else:
-                self._add_leaves(entries, value, input_label(index), INPUT)
-        if kwargs:
-            self._add_keyword_inputs(entries, kwargs)
-        if isinstance(output, torch.Tensor):
-            entries.append(Entry(OUTPUT_LABEL, _OUTPUT, activation(output)))
-        else:
-            self._add_leaves(entries, output, OUTPUT_LABEL, OUTPUT)
+                self._add_leaves(entries, output, OUTPUT_LABEL, OUTPUT)
+        finally:
+            cache.owner = None
         batch, phase = self._counters.stamp
         self.append(RecordedFrame(site.name, site.class_name, batch, phase, entries, direction), module, args, output)
         if not site.probed and direction is _FORWARD:
             self._deferral.probe(site, params, args, kwargs, output)
 
     def judge_probes(self) -> None:
-        """At a check: the modules whose probed outputs nothing changed in place since are deferred from now on."""
+        """At a check: the modules whose probed outputs nothing changed in place since are deferred from now on (and,
+        on an accelerator, their tensors pooled)."""
         self._deferral.judge_probes()
+        self._cache.judge_pool_probes()
 
     def settle(self) -> None:
         """Measure the outputs of the deferred calls, whose frames wait in the pending list."""

@@ -1,0 +1,251 @@
+"""The accelerator's way of measuring many tensors (core/stats/pooled.py): multi-tensor kernels whose numbers are those
+of `abs().aminmax()` for each tensor, a pool that keeps activations until they are read and says which ones changed
+in place before that, and the probes that decide whose activations are pooled. Run on the CPU: the numbers are the
+same on any device, only the launches differ."""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import pytest
+import torch
+
+from nanwatch.core.stats.cache import StatsCache
+from nanwatch.core.stats.grouped import StackPlan
+from nanwatch.core.stats.measure import StackedMeasurement, measure
+from nanwatch.core.stats.paths import cpu_as_accelerator, multi_tensor_kernels
+from nanwatch.core.stats.pooled import (
+    CHANGED_AFTER_CALL,
+    Pool,
+    PooledMeasurement,
+    PooledRows,
+    Probes,
+    multi_tensor_range,
+)
+
+FLOATS = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
+SHAPES = [(), (1,), (3, 5), (2, 3, 4), (70,)]
+
+
+class Owner:
+    """A watched module, as the pool sees one."""
+
+    def __init__(self, pooled: bool = True, judged: bool = True) -> None:
+        self.pooled, self.pool_judged = pooled, judged
+
+
+def _pair(low: torch.Tensor | None, high: torch.Tensor | None) -> tuple[float, float]:
+    assert low is not None
+    assert high is not None
+    return low.item(), high.item()
+
+
+def _expected(tensor: torch.Tensor) -> tuple[float, float]:
+    low, high = torch.aminmax(tensor.abs())
+    return low.item(), high.item()
+
+
+def _same(found: tuple[float, float], expected: tuple[float, float]) -> bool:
+    return all(a == b or (math.isnan(a) and math.isnan(b)) for a, b in zip(found, expected, strict=True))
+
+
+def _tensors(dtype: torch.dtype, bad: float | None) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    tensors = [
+        (torch.randn(shape, generator=generator, dtype=torch.float64) * 10 ** (index - 2)).to(dtype)
+        for index, shape in enumerate(SHAPES)
+    ]
+    tensors[2][1, 2] = -0.0  # the smallest magnitude: a signed zero reads as zero
+    if bad is not None:
+        tensors[3][1, 0, 2] = bad
+    return tensors
+
+
+@pytest.mark.parametrize("bad", [None, math.nan, math.inf, -math.inf], ids=["finite", "nan", "inf", "-inf"])
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+def test_multi_tensor_range_gives_each_tensor_its_abs_aminmax(dtype: torch.dtype, bad: float | None) -> None:
+    tensors = _tensors(dtype, bad)
+    lows, highs = multi_tensor_range(tensors)
+    assert lows.shape == highs.shape == (len(tensors),)
+    assert lows.dtype == highs.dtype == dtype
+    for index, tensor in enumerate(tensors):
+        assert _same(_pair(lows[index], highs[index]), _expected(tensor)), index
+    assert math.copysign(1.0, lows[2].item()) == 1.0  # zero, not minus zero
+    if bad is not None:
+        assert _same((highs[3].item(),), (abs(bad),))  # nan stays nan, -inf reads inf
+
+
+def test_multi_tensor_range_builds_no_graph_and_leaves_its_tensors_alone() -> None:
+    weight = torch.nn.Parameter(torch.randn(4, 3))
+    activation = torch.randn(5) * 3
+    before = activation.clone()
+    lows, highs = multi_tensor_range([weight, activation])
+    assert not lows.requires_grad
+    assert not highs.requires_grad
+    assert torch.equal(activation, before)
+    assert activation._version == 0
+
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+def test_a_pool_measures_what_it_kept_when_first_read(dtype: torch.dtype) -> None:
+    pool, owner = Pool(), Owner()
+    tensors = _tensors(dtype, math.nan)
+    found = [pool.keep(tensor, tensor._version, owner) for tensor in tensors]
+    assert all(type(measurement) is PooledMeasurement for measurement in found)
+    rows = found[0].rows  # type: ignore[union-attr]
+    assert isinstance(rows, PooledRows)
+    assert rows.open
+    for measurement, tensor in zip(found, tensors, strict=True):
+        assert measurement is not None
+        assert measurement.shape == tuple(tensor.shape)
+        assert measurement.dtype == dtype
+        assert measurement.skipped is None
+        assert measurement.is_float
+        assert _same(_pair(measurement.abs_min, measurement.abs_max), _expected(tensor))
+    assert not rows.open  # measured once, and the tensors let go
+    assert owner.pooled
+
+
+def test_a_tensor_changed_in_place_before_it_was_measured_says_so_and_its_owner_stops_pooling() -> None:
+    pool, masked, plain = Pool(), Owner(), Owner()
+    scores = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
+    hidden = torch.tensor([0.5, -7.0])
+    kept_scores = pool.keep(scores, scores._version, masked)
+    kept_hidden = pool.keep(hidden, hidden._version, plain)
+    assert kept_scores is not None
+    assert kept_hidden is not None
+    scores.masked_fill_(torch.tensor([[False, True], [False, False]]), -math.inf)  # the caller masks after the call
+    assert kept_scores.skipped == CHANGED_AFTER_CALL
+    assert kept_scores.abs_min is None
+    assert kept_scores.abs_max is None
+    assert not kept_scores.is_float
+    assert _pair(kept_hidden.abs_min, kept_hidden.abs_max) == (0.5, 7.0)
+    assert kept_hidden.skipped is None
+    # Its row holds zeros: the -inf written after the call is neither shown nor screened.
+    assert kept_scores.rows.highs.tolist() == [0.0, 7.0]
+    assert not masked.pooled
+    assert plain.pooled
+
+
+def test_a_tensor_of_a_graph_is_kept_detached_and_its_later_change_is_seen() -> None:
+    pool, owner = Pool(), Owner()
+    weight = torch.nn.Parameter(torch.tensor([2.0, -3.0]))
+    output = weight * 2
+    kept = pool.keep(output, output._version, owner)
+    assert kept is not None
+    output.add_(1)  # an in-place change through the graph's own tensor
+    assert kept.skipped == CHANGED_AFTER_CALL
+    assert not owner.pooled
+
+
+def test_a_pool_past_its_bound_measures_what_it_kept_and_starts_again() -> None:
+    pool, owner = Pool(max_elements=10), Owner()
+    first, second = torch.arange(6.0), -torch.arange(6.0) - 1
+    kept_first = pool.keep(first, first._version, owner)
+    kept_second = pool.keep(second, second._version, owner)
+    assert kept_first is not None
+    assert kept_second is not None
+    assert not kept_first.rows.open  # launched when the second would have passed the bound, and let go
+    assert kept_second.rows is not kept_first.rows
+    assert kept_second.rows.open
+    first.mul_(2)  # after its measurement: what was measured stays
+    assert _pair(kept_first.abs_min, kept_first.abs_max) == (0.0, 5.0)
+    assert _pair(kept_second.abs_min, kept_second.abs_max) == (1.0, 6.0)
+
+
+def test_a_pool_refuses_what_it_cannot_measure_whole() -> None:
+    pool, owner = Pool(max_elements=100), Owner()
+    assert pool.keep(torch.randn(101), 0, owner) is None  # past the bound on its own
+    assert pool.keep(torch.arange(6), 0, owner) is None  # an integer dtype
+    assert pool.keep(torch.randn(4, 5).t(), 0, owner) is None  # not contiguous: a multi-tensor kernel's slow path
+    found: list[object] = []
+    thread = threading.Thread(target=lambda: found.append(pool.keep(torch.randn(3), 0, owner)))
+    thread.start()
+    thread.join()
+    assert found == [None]  # another thread's (DataParallel's replicas)
+
+
+def test_probes_pool_an_owner_whose_tensors_nothing_changed_and_only_one_probed_whole() -> None:
+    probes = Probes(max_elements=10)
+    changed, unchanged, too_big = Owner(False, False), Owner(False, False), Owner(False, False)
+    output = torch.randn(3)
+    probes.note(output, output._version, changed)
+    kept = torch.randn(3)
+    probes.note(kept, kept._version, unchanged)
+    probes.note(torch.randn(20), 0, too_big)  # past the bound: not judged at this check
+    output.relu_()
+    del output  # changed, then let go: changed all the same
+    probes.judge()
+    assert (changed.pool_judged, changed.pooled) == (True, False)
+    assert (unchanged.pool_judged, unchanged.pooled) == (True, True)
+    assert (too_big.pool_judged, too_big.pooled) == (False, False)
+    probes.note(torch.randn(5), 0, too_big)  # its next recorded batch, within the bound
+    probes.judge()
+    assert (too_big.pool_judged, too_big.pooled) == (True, True)
+
+
+@pytest.mark.cpu_path
+def test_the_accelerator_path_is_taken_on_the_cpu_only_while_counting() -> None:
+    tensor = torch.randn(3)
+    assert not multi_tensor_kernels(tensor)
+    with cpu_as_accelerator():
+        assert multi_tensor_kernels(tensor)
+    assert not multi_tensor_kernels(tensor)
+
+
+def test_the_cache_pools_a_modules_activations_only_after_its_first_batch_was_judged() -> None:
+    cache, owner = StatsCache(), Owner(False, False)
+    with cpu_as_accelerator():
+        cache.owner = owner
+        first = torch.randn(64, 128)
+        measured = cache.activation(first)
+        assert type(measured) is not PooledMeasurement  # measured as it was seen: its first batch
+        cache.owner = None
+        cache.judge_pool_probes()
+        assert owner.pooled
+        cache.forget_activations()
+        cache.owner = owner
+        second = torch.randn(64, 128)
+        pooled = cache.activation(second)
+        assert type(pooled) is PooledMeasurement
+        assert cache.activation(second) is pooled  # seen again unchanged: the same measurement
+        cache.owner = None
+        outside = cache.activation(torch.randn(64, 128))  # no module's call (a loss, the deferral's input)
+        assert type(outside) is not PooledMeasurement
+    assert _same(_pair(pooled.abs_min, pooled.abs_max), _expected(second))
+
+
+def test_parameters_on_an_accelerator_are_measured_in_multi_tensor_groups_of_any_shapes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from nanwatch.core.stats import grouped
+
+    monkeypatch.setattr(grouped, "POOL_MAX_ELEMENTS", 300)  # a group holds at most 300 elements
+    generator = torch.Generator().manual_seed(1)
+    tensors: list[torch.Tensor] = [
+        torch.nn.Parameter(torch.randn(shape, generator=generator, dtype=dtype))
+        for shape, dtype in [
+            ((16, 8), torch.float32),
+            ((8,), torch.float32),
+            ((4, 3), torch.bfloat16),
+            ((200,), torch.float32),
+            ((7,), torch.bfloat16),
+            ((500,), torch.float32),  # past a group's bound: measured alone
+        ]
+    ]
+    tensors.append(torch.nn.Parameter(torch.arange(3), requires_grad=False))  # no floating point: measured alone
+    with torch.no_grad():
+        tensors[1][3] = math.inf
+    with cpu_as_accelerator():
+        plan = StackPlan(tensors)
+        found = plan.measure()
+    assert all(shape is None for _, _, shape in plan.stacks)  # no stack by shape
+    assert len(plan.stacks) == 3  # float32 in two groups of at most 300 elements, bfloat16 in one
+    assert sorted(plan.alone) == [5, 6]
+    for tensor, measurement in zip(tensors, found, strict=True):
+        expected = measure(tensor)
+        assert measurement.shape == expected.shape
+        assert measurement.dtype == expected.dtype
+        assert _same(_pair(measurement.abs_min, measurement.abs_max), _pair(expected.abs_min, expected.abs_max))
+    assert type(found[0]) is StackedMeasurement
