@@ -20,7 +20,6 @@ from nanwatch.core.stats.pooled import (
     Pool,
     PooledMeasurement,
     PooledRows,
-    Probes,
     multi_tensor_range,
 )
 
@@ -167,22 +166,35 @@ def test_a_pool_refuses_what_it_cannot_measure_whole() -> None:
 
 
 def test_probes_pool_an_owner_whose_tensors_nothing_changed_and_only_one_probed_whole() -> None:
-    probes = Probes(max_elements=10)
+    pool = Pool(max_elements=10)
     changed, unchanged, too_big = Owner(False, False), Owner(False, False), Owner(False, False)
     output = torch.randn(3)
-    probes.note(output, output._version, changed)
+    pool.probe(output, output._version, changed)
     kept = torch.randn(3)
-    probes.note(kept, kept._version, unchanged)
-    probes.note(torch.randn(20), 0, too_big)  # past the bound: not judged at this check
+    pool.probe(kept, kept._version, unchanged)
+    pool.probe(torch.randn(20), 0, too_big)  # past the room left: not judged at this check
     output.relu_()
     del output  # changed, then let go: changed all the same
-    probes.judge()
+    pool.judge()
     assert (changed.pool_judged, changed.pooled) == (True, False)
     assert (unchanged.pool_judged, unchanged.pooled) == (True, True)
     assert (too_big.pool_judged, too_big.pooled) == (False, False)
-    probes.note(torch.randn(5), 0, too_big)  # its next recorded batch, within the bound
-    probes.judge()
+    pool.probe(torch.randn(5), 0, too_big)  # its next recorded batch, within the room
+    pool.judge()
     assert (too_big.pool_judged, too_big.pooled) == (True, True)
+
+
+def test_kept_tensors_and_probes_share_one_bound() -> None:
+    pool, pooled, new = Pool(max_elements=10), Owner(), Owner(False, False)
+    first = torch.randn(6)
+    kept = pool.keep(first, first._version, pooled)
+    assert kept is not None
+    pool.probe(torch.randn(6), 0, new)  # no room beside what is kept: that is launched and let go first
+    assert not kept.rows.open
+    assert pool.keep(torch.randn(6), 0, pooled) is None  # no room beside the probe: measured as it is seen
+    assert pool.keep(torch.randn(4), 0, pooled) is not None
+    pool.judge()  # the probes let go: the room is the pool's again
+    assert pool.keep(torch.randn(9), 0, pooled) is not None
 
 
 @pytest.mark.cpu_path
@@ -221,7 +233,7 @@ def test_parameters_on_an_accelerator_are_measured_in_multi_tensor_groups_of_any
 ) -> None:
     from nanwatch.core.stats import grouped
 
-    monkeypatch.setattr(grouped, "POOL_MAX_ELEMENTS", 300)  # a group holds at most 300 elements
+    monkeypatch.setattr(grouped, "GROUP_MAX_ELEMENTS", 300)  # a group holds at most 300 elements
     generator = torch.Generator().manual_seed(1)
     tensors: list[torch.Tensor] = [
         torch.nn.Parameter(torch.randn(shape, generator=generator, dtype=dtype))

@@ -18,7 +18,7 @@ from nanwatch.core.stats.kernels import ABS_KEEPS_DTYPE
 from nanwatch.core.stats.measure import _RANGE, ExtraKernels, Measurement, StackedMeasurement, measure
 from nanwatch.core.stats.output_rows import STAGE_MAX_NUMEL, DtypeRows, Staging
 from nanwatch.core.stats.paths import multi_tensor_kernels
-from nanwatch.core.stats.pooled import Pool, PoolOwner, Probes
+from nanwatch.core.stats.pooled import Pool, PoolOwner
 
 __all__ = ["StatsCache", "TrackedBatch"]
 
@@ -130,7 +130,6 @@ class StatsCache:
         # outside a recorded call.
         self._pool = Pool()
         self.owner: PoolOwner | None = None
-        self._pool_probes = Probes()
 
     @property
     def kernels(self) -> ExtraKernels:
@@ -309,7 +308,7 @@ class StatsCache:
         the module's first recorded batch, noted for the check to judge (`judge_pool_probes`)."""
         if not owner.pooled:
             if not owner.pool_judged:
-                self._pool_probes.note(tensor, version, owner)
+                self._pool.probe(tensor, version, owner)
             return None
         if tensor.layout is not torch.strided or tensor.is_meta or not tensor.numel():
             return None
@@ -321,7 +320,7 @@ class StatsCache:
     def judge_pool_probes(self) -> None:
         """At a check: the modules recorded for the first time since the last one have their tensors pooled from now
         on, unless one was changed in place after its call (pooled.py)."""
-        self._pool_probes.judge()
+        self._pool.judge()
 
     def forget_parameters(self) -> None:
         """Drop parameter entries (between training batches), for writes no fingerprint sees: fused optimizers."""
@@ -342,6 +341,6 @@ class StatsCache:
         self.forget_parameters()
         self.forget_activations()
         self._staging.clear()
-        self._pool_probes.clear()
+        self._pool.forget_probes()
         self._plan, self._index, self.measured_batch = None, {}, None
         self._versions, self._pointers, self._dtypes = [], [], []

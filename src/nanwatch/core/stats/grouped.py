@@ -18,7 +18,7 @@ import torch
 from nanwatch.core.stats.measure import ExtraKernels, Measurement, StackedMeasurement, measure, measure_extras
 from nanwatch.core.stats.output_rows import DtypeRows, Rows
 from nanwatch.core.stats.paths import multi_tensor_kernels
-from nanwatch.core.stats.pooled import POOL_MAX_ELEMENTS, multi_tensor_range
+from nanwatch.core.stats.pooled import GROUP_MAX_ELEMENTS, multi_tensor_range
 
 __all__ = ["StackPlan", "measure_together", "MagnitudePlan", "as_vector"]
 
@@ -67,7 +67,7 @@ class StackPlan:
                 and tensor.numel() > 0
             ):
                 if multi_tensor_kernels(tensor):
-                    if tensor.numel() <= POOL_MAX_ELEMENTS and tensor.is_contiguous():
+                    if tensor.numel() <= GROUP_MAX_ELEMENTS and tensor.is_contiguous():
                         multi.setdefault((tensor.device, tensor.dtype), []).append(index)
                         continue
                 elif tensor.numel() <= _STACK_MAX_NUMEL:
@@ -76,12 +76,12 @@ class StackPlan:
             self.alone.append(index)
         self.members: list[list[int]] = []  # each group's tensors, by index
         for (_device, dtype), indices in multi.items():
-            # At most POOL_MAX_ELEMENTS elements a group: the temporaries of its measurement stay bounded.
+            # At most GROUP_MAX_ELEMENTS elements a group: the temporaries of its measurement stay bounded.
             chunk: list[int] = []
             elements = 0
             for index in indices:
                 numel = self.tensors[index].numel()
-                if chunk and elements + numel > POOL_MAX_ELEMENTS:
+                if chunk and elements + numel > GROUP_MAX_ELEMENTS:
                     self._add_group(chunk, dtype, None)
                     chunk, elements = [], 0
                 chunk.append(index)

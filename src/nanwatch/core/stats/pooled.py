@@ -10,7 +10,8 @@ A `Pool` keeps the activations of watched calls instead of measuring them as the
 and the version counter then), and measures those of one device and dtype together the first time any of their
 numbers is read, normally by the check (`PooledRows`). At most `POOL_MAX_ELEMENTS` elements are kept at a time: past
 that, what is kept is measured at once (launched, not read) and let go, so the memory a pool holds beyond what the
-run holds anyway, and the temporaries of its measurement, stay bounded (64 MiB of float32 each).
+run holds anyway (with the probes below: 16M elements together, 64 MiB of float32), and the temporaries of its
+measurement, stay bounded.
 
 A kept tensor changed in place before it was measured (its version counter moved: `masked_fill_` by the caller, a
 `ReLU(inplace=True)` after it) is not measured: its values are no longer what the call returned. Its measurement says
@@ -34,6 +35,7 @@ from nanwatch.core.stats.output_rows import Rows
 
 __all__ = [
     "CHANGED_AFTER_CALL",
+    "GROUP_MAX_ELEMENTS",
     "MULTI_TENSOR_DTYPES",
     "POOL_MAX_ELEMENTS",
     "Pool",
@@ -49,7 +51,10 @@ __all__ = [
 CHANGED_AFTER_CALL = "changed in place after the call: not measured"
 # The dtypes measured with multi-tensor kernels (their abs keeps the dtype, and `_foreach_max` has a kernel for each).
 MULTI_TENSOR_DTYPES = frozenset((torch.float32, torch.float16, torch.bfloat16, torch.float64))
-# A pool keeps at most this many elements at a time (64 MiB of float32); a larger tensor is measured as it is seen.
+# A multi-tensor group holds at most this many elements (its temporaries: 64 MiB of float32).
+GROUP_MAX_ELEMENTS = 1 << 24
+# A pool's kept tensors and its probes hold at most this many elements together (64 MiB of float32); a larger tensor
+# is measured as it is seen.
 POOL_MAX_ELEMENTS = 1 << 24
 _get_ident = threading.get_ident
 
@@ -84,21 +89,20 @@ class PoolProbe(NamedTuple):
 
 
 class Probes:
-    """The probes of owners not judged yet, holding at most `max_elements` elements in all: an owner with a tensor
-    past the bound is not judged at this check, and is probed again in its next recorded batch."""
+    """The probes of owners not judged yet, within the room their pool leaves them (`Pool.probe`): an owner with a
+    tensor past it is not judged at this check, and is probed again in its next recorded batch."""
 
-    def __init__(self, max_elements: int = POOL_MAX_ELEMENTS) -> None:
+    def __init__(self) -> None:
         self._probes: list[PoolProbe] = []
         self._unfinished: set[int] = set()  # ids of owners with a tensor left out
-        self._elements = 0
-        self._max_elements = max_elements
+        self.elements = 0
 
-    def note(self, tensor: torch.Tensor, version: int, owner: PoolOwner) -> None:
+    def note(self, tensor: torch.Tensor, version: int, owner: PoolOwner, room: int) -> None:
         numel = tensor.numel()
-        if self._elements + numel > self._max_elements:
+        if self.elements + numel > room:
             self._unfinished.add(id(owner))
             return
-        self._elements += numel
+        self.elements += numel
         self._probes.append(PoolProbe(tensor.detach() if tensor.requires_grad else tensor, version, owner))
 
     def judge(self) -> None:
@@ -114,7 +118,7 @@ class Probes:
                 owner.pooled = id(owner) not in refused
 
     def clear(self) -> None:
-        self._probes, self._unfinished, self._elements = [], set(), 0
+        self._probes, self._unfinished, self.elements = [], set(), 0
 
 
 class PooledRows(Rows):
@@ -220,20 +224,36 @@ class Pool:
         self._elements = 0
         self._max_elements = max_elements
         self._thread = _get_ident()
+        self._probes = Probes()
+
+    def probe(self, tensor: torch.Tensor, version: int, owner: PoolOwner) -> None:
+        """Note a tensor of an owner's first recorded batch, for the check to judge (`judge`), in the room the kept
+        tensors leave (launched and let go first when they would leave too little)."""
+        if self._elements and self._elements + self._probes.elements + tensor.numel() > self._max_elements:
+            self.settle()
+        self._probes.note(tensor, version, owner, self._max_elements - self._elements)
+
+    def judge(self) -> None:
+        """At a check: the owners probed whole since the last one are judged (`Probes.judge`)."""
+        self._probes.judge()
+
+    def forget_probes(self) -> None:
+        self._probes.clear()
 
     def keep(self, tensor: torch.Tensor, version: int, owner: PoolOwner) -> PooledMeasurement | None:
         """Keep a plain, strided, non-empty tensor with storage (the caller knows it is), seen at `version`: its
         measurement, made when first read. None when it is not kept (too large, a dtype or layout the multi-tensor
         kernels do not take as a whole, another thread): measure it as it is seen then."""
         numel = tensor.numel()
+        probed = self._probes.elements
         if (
-            numel > self._max_elements
+            numel + probed > self._max_elements
             or tensor.dtype not in MULTI_TENSOR_DTYPES
             or not tensor.is_contiguous()  # a multi-tensor kernel takes dense tensors in one launch, others one by one
             or _get_ident() != self._thread
         ):
             return None
-        if self._elements + numel > self._max_elements:
+        if self._elements + probed + numel > self._max_elements:
             self.settle()
         key = (tensor.device, tensor.dtype)
         rows = self._open.get(key)
