@@ -10,13 +10,16 @@ import threading
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
+from nanwatch.core.stats.abs_range import AbsRange
 from nanwatch.core.stats.cache import StatsCache
 from nanwatch.core.stats.grouped import StackPlan
 from nanwatch.core.stats.measure import StackedMeasurement, measure
 from nanwatch.core.stats.paths import cpu_as_accelerator, multi_tensor_kernels
 from nanwatch.core.stats.pooled import (
     CHANGED_AFTER_CALL,
+    WATCH_ENDED,
     Pool,
     PooledMeasurement,
     PooledRows,
@@ -31,7 +34,7 @@ class Owner:
     """A watched module, as the pool sees one."""
 
     def __init__(self, pooled: bool = True, judged: bool = True) -> None:
-        self.pooled, self.pool_judged = pooled, judged
+        self.pooled, self.pool_judged, self.changed = pooled, judged, False
 
 
 def _pair(low: torch.Tensor | None, high: torch.Tensor | None) -> tuple[float, float]:
@@ -69,10 +72,34 @@ def test_multi_tensor_range_gives_each_tensor_its_abs_aminmax(dtype: torch.dtype
     assert lows.shape == highs.shape == (len(tensors),)
     assert lows.dtype == highs.dtype == dtype
     for index, tensor in enumerate(tensors):
-        assert _same(_pair(lows[index], highs[index]), _expected(tensor)), index
+        found = _pair(lows[index], highs[index])
+        if math.isnan(found[1]):  # the minima are reduced as integers: a nan max means a nan min, as it is read
+            found = AbsRange().read(found)  # type: ignore[assignment]
+        assert _same(found, _expected(tensor)), index
     assert math.copysign(1.0, lows[2].item()) == 1.0  # zero, not minus zero
     if bad is not None:
         assert _same((highs[3].item(),), (abs(bad),))  # nan stays nan, -inf reads inf
+
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+def test_a_tensor_of_infs_only_has_an_infinite_minimum(dtype: torch.dtype) -> None:
+    # CUDA's `_foreach_max` starts from the lowest finite value: a float max of the negated magnitudes would give that
+    # (65504 for float16) instead of -inf. The minima are reduced as integers, whose lowest value no magnitude reaches.
+    tensors = [torch.full((), math.inf, dtype=dtype), torch.tensor([-math.inf, math.inf], dtype=dtype)]
+    reduced: list[torch.dtype] = []
+
+    class Reductions(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            if func is torch.ops.aten._foreach_max.default:
+                reduced.append(args[0][0].dtype)
+            return func(*args, **(kwargs or {}))
+
+    with Reductions():
+        lows, highs = multi_tensor_range(tensors)
+    assert lows.tolist() == [math.inf, math.inf]
+    assert highs.tolist() == [math.inf, math.inf]
+    assert reduced[0] == dtype
+    assert not reduced[1].is_floating_point
 
 
 def test_multi_tensor_range_builds_no_graph_and_leaves_its_tensors_alone() -> None:
@@ -101,7 +128,8 @@ def test_a_pool_measures_what_it_kept_when_first_read(dtype: torch.dtype) -> Non
         assert measurement.dtype == dtype
         assert measurement.skipped is None
         assert measurement.is_float
-        assert _same(_pair(measurement.abs_min, measurement.abs_max), _expected(tensor))
+        # As a report reads it: a nan max means a nan min (the minima are reduced as integers).
+        assert _same(AbsRange().read(_pair(measurement.abs_min, measurement.abs_max)), _expected(tensor))  # type: ignore[arg-type]
     assert not rows.open  # measured once, and the tensors let go
     assert owner.pooled
 
@@ -169,17 +197,19 @@ def test_probes_pool_an_owner_whose_tensors_nothing_changed_and_only_one_probed_
     pool = Pool(max_elements=10)
     changed, unchanged, too_big = Owner(False, False), Owner(False, False), Owner(False, False)
     output = torch.randn(3)
-    pool.probe(output, output._version, changed)
+    pool.probe(output, output._version, changed, measure(output))
     kept = torch.randn(3)
-    pool.probe(kept, kept._version, unchanged)
-    pool.probe(torch.randn(20), 0, too_big)  # past the room left: not judged at this check
+    pool.probe(kept, kept._version, unchanged, measure(kept))
+    big = torch.randn(20)
+    pool.probe(big, 0, too_big, measure(big))  # past the room left: not judged at this check
     output.relu_()
     del output  # changed, then let go: changed all the same
     pool.judge()
     assert (changed.pool_judged, changed.pooled) == (True, False)
     assert (unchanged.pool_judged, unchanged.pooled) == (True, True)
     assert (too_big.pool_judged, too_big.pooled) == (False, False)
-    pool.probe(torch.randn(5), 0, too_big)  # its next recorded batch, within the room
+    small = torch.randn(5)
+    pool.probe(small, 0, too_big, measure(small))  # its next recorded batch, within the room
     pool.judge()
     assert (too_big.pool_judged, too_big.pooled) == (True, True)
 
@@ -189,12 +219,91 @@ def test_kept_tensors_and_probes_share_one_bound() -> None:
     first = torch.randn(6)
     kept = pool.keep(first, first._version, pooled)
     assert kept is not None
-    pool.probe(torch.randn(6), 0, new)  # no room beside what is kept: that is launched and let go first
+    probed = torch.randn(6)
+    pool.probe(probed, 0, new, measure(probed))  # no room beside what is kept: that is launched and let go first
     assert not kept.rows.open
     assert pool.keep(torch.randn(6), 0, pooled) is None  # no room beside the probe: measured as it is seen
     assert pool.keep(torch.randn(4), 0, pooled) is not None
     pool.judge()  # the probes let go: the room is the pool's again
     assert pool.keep(torch.randn(9), 0, pooled) is not None
+
+
+def test_a_write_no_version_counter_sees_in_a_first_batch_keeps_the_module_from_being_pooled() -> None:
+    pool = Pool()
+    masked_through_data, written_by_a_kernel, plain, deferred_refused = (Owner(False, False) for _ in range(4))
+    scores, logits, hidden, other = (torch.randn(4, 6) for _ in range(4))
+    for tensor, owner in [
+        (scores, masked_through_data),
+        (logits, written_by_a_kernel),
+        (hidden, plain),
+        (other, deferred_refused),
+    ]:
+        pool.probe(tensor, tensor._version, owner, measure(tensor))
+    scores.data.masked_fill_(scores.data > 0, -math.inf)  # `.data`: a counter of its own, this one's never moves
+    torch.ops.aten.mul_.Tensor(logits.data, 0.5)  # as a custom kernel writing into its input would
+    deferred_refused.changed = True  # the deferral saw an output of this module changed in place meanwhile
+    assert scores._version == logits._version == 0
+    pool.judge()
+    assert (masked_through_data.pool_judged, masked_through_data.pooled) == (True, False)
+    assert (written_by_a_kernel.pool_judged, written_by_a_kernel.pooled) == (True, False)
+    assert (plain.pool_judged, plain.pooled) == (True, True)
+    assert (deferred_refused.pool_judged, deferred_refused.pooled) == (True, False)
+
+
+def test_a_kept_tensor_is_not_reached_by_data_assignment_on_the_callers_object() -> None:
+    pool, owner = Pool(), Owner()
+    output = torch.tensor([1.0, -2.0])
+    kept = pool.keep(output, output._version, owner)
+    assert kept is not None
+    output.data = torch.tensor([math.nan, 5.0])  # the caller's object now holds other values; what was returned stays
+    assert _pair(kept.abs_min, kept.abs_max) == (1.0, 2.0)
+    assert owner.pooled
+
+
+def test_the_bound_counts_the_storage_a_view_keeps_alive() -> None:
+    pool, owner = Pool(max_elements=100), Owner()
+    base = torch.randn(10, 20)
+    assert pool.keep(base[0], base._version, owner) is None  # 20 elements, but 200 kept alive
+    assert pool.keep(torch.randn(20), 0, owner) is not None
+
+
+def test_what_is_kept_when_watching_ends_is_let_go_unmeasured_and_says_so() -> None:
+    pool, owner = Pool(), Owner()
+    output = torch.randn(5)
+    kept = pool.keep(output, output._version, owner)
+    assert kept is not None
+    pool.drop()
+    assert not kept.rows.open
+    assert kept.skipped == WATCH_ENDED
+    assert kept.abs_min is None
+    assert kept.abs_max is None
+    assert not kept.is_float
+    assert kept.rows.highs.tolist() == [0.0]  # read whole, nothing screened
+
+
+def test_a_device_that_refuses_every_measurement_leaves_lines_that_say_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    from nanwatch.core.stats import pooled
+
+    def refuses(*args: object) -> None:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(pooled, "multi_tensor_range", refuses)
+    monkeypatch.setattr(pooled, "abs_aminmax", refuses)
+    pool, owner = Pool(), Owner()
+    kept = [pool.keep(tensor, 0, owner) for tensor in (torch.randn(3), torch.randn(4))]
+    assert all(measurement is not None for measurement in kept)
+    assert [measurement.skipped for measurement in kept] == ["not measured: RuntimeError"] * 2  # type: ignore[union-attr]
+    assert kept[0].abs_max is None  # type: ignore[union-attr]
+
+
+def test_only_the_thread_that_made_a_pool_probes() -> None:
+    pool, owner = Pool(), Owner(False, False)
+    tensor = torch.randn(3)
+    thread = threading.Thread(target=lambda: pool.probe(tensor, 0, owner, measure(tensor)))
+    thread.start()
+    thread.join()
+    pool.judge()
+    assert not owner.pool_judged  # a replica's call (DataParallel) is no probe of the module
 
 
 @pytest.mark.cpu_path

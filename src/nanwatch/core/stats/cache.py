@@ -249,9 +249,19 @@ class StatsCache:
             return measure(tensor, self._kernels)
         owner = self.owner
         if owner is not None and type(tensor) is torch.Tensor and not self._kernels and multi_tensor_kernels(tensor):
-            pooled = self._pool_or_probe(tensor, version, owner)
-            if pooled is not None:
-                return pooled
+            if owner.pooled:
+                pooled = self._pool_kept(tensor, version, owner)
+                if pooled is not None:
+                    return pooled
+            elif not owner.pool_judged and not owner.changed:
+                # The module's first recorded batch: measured now, and noted for the check to judge (pooled.py).
+                measured = self._measured_miss(tensor, version)
+                self._pool.probe(tensor, version, owner, measured)
+                return measured
+        return self._measured_miss(tensor, version)
+
+    def _measured_miss(self, tensor: torch.Tensor, version: int) -> Measurement:
+        """A miss measured as it is seen: staged, looked up as a view of a tensor measured, or launched now."""
         if type(tensor) is torch.Tensor and not self._kernels:
             # The commonest miss first (a module's fresh output): plain, small, with storage: staged, one copy.
             found = self._staging.stage_plain(tensor)
@@ -303,15 +313,8 @@ class StatsCache:
             self._activations[key] = entry
         return measurement
 
-    def _pool_or_probe(self, tensor: torch.Tensor, version: int, owner: PoolOwner) -> Measurement | None:
-        """On an accelerator: the tensor kept in the pool when its module earned it (None when it is not kept); in
-        the module's first recorded batch, noted for the check to judge (`judge_pool_probes`)."""
-        if not owner.pooled:
-            if not owner.pool_judged:
-                self._pool.probe(tensor, version, owner)
-            return None
-        if tensor.layout is not torch.strided or tensor.is_meta or not tensor.numel():
-            return None
+    def _pool_kept(self, tensor: torch.Tensor, version: int, owner: PoolOwner) -> Measurement | None:
+        """On an accelerator, a module that earned it: the tensor kept in the pool (None when it is not kept)."""
         pooled = self._pool.keep(tensor, version, owner)
         if pooled is not None:
             self._last = self._by_id[id(tensor)] = _seen(tensor, version, _pointer(tensor), pooled)
@@ -338,9 +341,9 @@ class StatsCache:
     def clear(self) -> None:
         """Forget everything, the tracked parameters too (`track_parameters`), and free the staging buffers: a cleared
         cache holds no tensor (a closed watcher lets the model go)."""
+        self._pool.drop()  # first: nothing launched for what it kept (the device may be why the watch ends)
         self.forget_parameters()
         self.forget_activations()
         self._staging.clear()
-        self._pool.forget_probes()
         self._plan, self._index, self.measured_batch = None, {}, None
         self._versions, self._pointers, self._dtypes = [], [], []

@@ -17,7 +17,7 @@ import torch
 
 from nanwatch.core.stats.measure import ExtraKernels, Measurement, StackedMeasurement, measure, measure_extras
 from nanwatch.core.stats.output_rows import DtypeRows, Rows
-from nanwatch.core.stats.paths import multi_tensor_kernels
+from nanwatch.core.stats.paths import accelerator_path, multi_tensor_kernels
 from nanwatch.core.stats.pooled import GROUP_MAX_ELEMENTS, multi_tensor_range
 
 __all__ = ["StackPlan", "measure_together", "MagnitudePlan", "as_vector"]
@@ -40,8 +40,8 @@ def measure_together(tensors: Sequence[torch.Tensor], kernels: ExtraKernels = ()
 
 class StackPlan:
     """How a list of tensors (a model's parameters) is measured together: on the CPU, small floating-point tensors of
-    one device, dtype and shape are stacked and reduced in one go (three ops per stack, not two per tensor); on an
-    accelerator, floating-point tensors of one device and dtype, any shapes, take six multi-tensor ops a group
+    one device, dtype and shape are stacked and reduced in one go (three ops per stack, not two per tensor); on
+    CUDA, floating-point tensors of one device and dtype, any shapes, take seven multi-tensor ops a group
     (`pooled.multi_tensor_range`, paths.py); the others are measured one by one. For a model of many small layers,
     where launching kernels costs more than running them. The numbers are those of `measure()` (a min and a max are
     exact however they are grouped). The plan is made once, for the tensors' `dtypes` then."""
@@ -52,7 +52,7 @@ class StackPlan:
         # a new plan.
         self.dtypes = [tensor.dtype for tensor in self.tensors]
         # Each group's tensors, dtype, and shape: one stack of tensors of that shape, or (None) a multi-tensor group
-        # of one device and dtype, any shapes (on an accelerator: `pooled.multi_tensor_range`).
+        # of one device and dtype, any shapes (on CUDA: `pooled.multi_tensor_range`).
         self.stacks: list[tuple[list[torch.Tensor], torch.dtype, torch.Size | None]] = []
         self.alone: list[int] = []
         groups: dict[tuple[torch.device, torch.dtype, torch.Size], list[int]] = {}
@@ -206,7 +206,7 @@ class MagnitudePlan:
 
     def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
         self.size = len(tensors)
-        self.accelerated = any(map(multi_tensor_kernels, tensors))
+        self.accelerated = any(map(accelerator_path, tensors))
         self.stacks: list[list[int]] = []
         self.alone: list[int] = []
         self._takes: list[operator.itemgetter[Any]] = []

@@ -6,7 +6,7 @@ import threading
 
 import torch
 
-from nanwatch.core.stats.paths import multi_tensor_kernels
+from nanwatch.core.stats.paths import accelerator_path
 
 __all__ = ["FLOAT8_DTYPES", "ABS_KEEPS_DTYPE", "abs_aminmax", "count_non_finite", "values_of"]
 
@@ -82,7 +82,7 @@ def abs_aminmax(data: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """
     numel = data.numel()
     # Subclasses (DTensor, fake tensors) keep their own semantics: no writing into a plain buffer for them.
-    if multi_tensor_kernels(data) or type(data) is not torch.Tensor:
+    if accelerator_path(data) or type(data) is not torch.Tensor:
         if numel <= _DEVICE_CHUNK or not data.is_contiguous():
             return torch.aminmax(data.abs())
         flat = data.view(-1)

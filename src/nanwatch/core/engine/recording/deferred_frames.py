@@ -272,7 +272,7 @@ class DeferredOutputs:
         return read
 
     def _measure_multi(self, tensors: list[torch.Tensor]) -> list[DtypeRows]:
-        """`measure` on an accelerator: the outputs of one device and dtype, any shapes, in six multi-tensor ops
+        """`measure` on CUDA: the outputs of one device and dtype, any shapes, in seven multi-tensor ops
         (core/stats/pooled.py); those a multi-tensor kernel does not take whole (sparse, nested, meta, empty, not
         contiguous) each on its own."""
         groups: dict[tuple[torch.dtype, torch.device], list[int]] = {}

@@ -240,7 +240,7 @@ class Recorder:
 
     def judge_probes(self) -> None:
         """At a check: the modules whose probed outputs nothing changed in place since are deferred from now on (and,
-        on an accelerator, their tensors pooled)."""
+        on CUDA, their tensors pooled)."""
         self._deferral.judge_probes()
         self._cache.judge_pool_probes()
 
