@@ -1,6 +1,6 @@
 """The GPU path, checked on one CUDA device: what the CPU suite cannot show.
 
-Five checks, each printing its figures (and all of them into --output as JSON):
+Seven checks, each printing its figures (and all of them into --output as JSON):
 
 1. oracle: a tiny random GPT-2 on the GPU, in fp16 and in bf16, overflows in `h.1.mlp.c_fc`; transformers'
    `DebugUnderflowOverflow` (the oracle) and `nanwatch.watch` see the same batches. The frames nanwatch reports must
@@ -18,6 +18,9 @@ Five checks, each printing its figures (and all of them into --output as JSON):
    against the unwatched one, on the GPT-2 benchmark's shape (4 layers x 256) and a bigger one (12 layers x 768).
 6. graphs: sentinel mode on a model compiled with `mode="reduce-overhead"` (CUDA graphs): whether it runs, its
    syncs per step and its step time against the same compiled model unwatched.
+7. ranges: the multi-tensor measurement CUDA takes (core/stats/pooled.py) against `abs().aminmax()` of each tensor,
+   in every float dtype: shapes from 0-d to several 64K-element chunks, nan, inf, tensors of infs only, -0.0,
+   subnormals; every number must be the same.
 
 The overhead of the plain benchmark on the GPU is also `benchmarks/overhead.py --device cuda`.
 
@@ -455,11 +458,50 @@ def check_graphs(device: torch.device, steps: int) -> dict[str, Any]:
     return found
 
 
+def check_ranges(device: torch.device) -> dict[str, Any]:
+    """`multi_tensor_range` (CUDA's multi-tensor kernels) against each tensor's own `abs().aminmax()`, read as a report
+    reads them (a nan max makes the min nan). Raises AssertionError on any difference."""
+    from nanwatch.core.stats.abs_range import AbsRange
+    from nanwatch.core.stats.pooled import multi_tensor_range
+
+    found: dict[str, Any] = {}
+    for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
+        generator = torch.Generator(device=device).manual_seed(0)
+        tensors = [
+            torch.randn(shape, generator=generator, device=device).to(dtype)
+            for shape in [(), (1,), (3, 5), (64, 1024), (300_000,), (7, 70_000)]
+        ]
+        tensors += [
+            # infs only: CUDA's `_foreach_max` starts at the lowest finite float
+            torch.full((), float("inf"), device=device, dtype=dtype),
+            torch.tensor([float("-inf"), float("inf")], device=device, dtype=dtype),
+            torch.tensor([-0.0, 0.0], device=device, dtype=dtype),
+            torch.tensor([torch.finfo(dtype).tiny / 4, 1.0], device=device, dtype=dtype),  # a subnormal
+            torch.tensor([torch.finfo(dtype).max, float("inf")], device=device, dtype=dtype),
+        ]
+        with_nan = torch.randn(200_000, generator=generator, device=device).to(dtype)
+        with_nan[123_456] = float("nan")
+        tensors.append(with_nan)
+        lows, highs = multi_tensor_range(tensors)
+        wrong = []
+        for index, tensor in enumerate(tensors):
+            low, high = torch.aminmax(tensor.abs())
+            ours = AbsRange().read((lows[index].item(), highs[index].item()))
+            theirs = AbsRange().read((low.item(), high.item()))
+            if str(ours) != str(theirs):  # nan == nan as text; -0.0 and 0.0 differ as text, as they would in a report
+                wrong.append(f"tensor {index} {tuple(tensor.shape)}: {ours} != {theirs}")
+        assert not wrong, f"{dtype}: {wrong}"
+        found[str(dtype)] = f"{len(tensors)} tensors, every number the same"
+    return found
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--output", default=None, help="write the results as JSON here")
     parser.add_argument(
-        "--only", default="oracle,syncs,sentinel,floor,compiled,step,graphs", help="comma-separated checks to run"
+        "--only",
+        default="ranges,oracle,syncs,sentinel,floor,compiled,step,graphs",
+        help="comma-separated checks to run",
     )
     parser.add_argument(
         "--shapes",
@@ -482,6 +524,7 @@ def main() -> int:
         wanted.discard("syncs")  # CUDA's sync debug mode only
         wanted.discard("graphs")  # CUDA graphs only
     checks: dict[str, Callable[[], Any]] = {
+        "ranges": lambda: check_ranges(device),
         "oracle": lambda: [
             check_oracle(torch.float16, device, 1e3, 8),
             check_oracle(torch.bfloat16, device, 1e12, 8),

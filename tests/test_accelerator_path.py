@@ -1,6 +1,7 @@
 """The accelerator's way of measuring (core/stats/paths.py: multi-tensor kernels, a pool of activations measured at
 the check), run on this machine's CPU tensors: the quick tiers of the differential tests against transformers'
-`DebugUnderflowOverflow`, the do-no-harm twins and the core suites, with `--accelerator-path` (tests/conftest.py).
+`DebugUnderflowOverflow`, the do-no-harm twins, the core suites and the plain loop's, with `--accelerator-path`
+(tests/conftest.py).
 A GPU run measures this way; the numbers must be the same to the last digit, and a frame must still show what the
 call returned or say it cannot."""
 
@@ -16,6 +17,9 @@ ROOT = Path(__file__).resolve().parent.parent
 SUITES = [
     "tests/core",
     "tests/twins",
+    "tests/adapters/test_plain.py",
+    "tests/adapters/test_let_go.py",  # a closed watcher holds nothing of the model: nor does what its pool kept
+    "tests/adapters/test_skip.py",
     "tests/test_watch_differential.py",
     "tests/test_watch_differential_users.py",
     "tests/test_dropin_differential.py",

@@ -425,6 +425,11 @@ def _sandbox_for(tmp_path: Path) -> Path:
 def _run_page(path: Path, where: object, folder: Path) -> tuple[Document, list[str]]:
     """Run every block of the page at `path` in `folder`: the document, and a failure for each block that raised,
     printed what the page does not show, or is neither run nor marked illustrative."""
+    import torch
+
+    # Each page runs as in a fresh process: compiled code an earlier page or test left (why-nan.md compiles a Linear)
+    # would make a page that watches a Linear say it dropped it, which depends on the order the tests ran in.
+    torch._dynamo.reset()
     document = SYBIL.parse(path)
     document.namespace[_SANDBOX] = _sandbox_for(folder)
     failures: list[str] = []
