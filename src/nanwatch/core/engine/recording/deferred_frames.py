@@ -186,7 +186,7 @@ class DeferredFrame(Frame):
 class GroupRow(NamedTuple):
     """Where a deferred output was measured: its group, and its row there."""
 
-    group: _OutputGroup | _MultiGroup | _AloneGroup
+    group: _OutputGroup | _AloneGroup
     row: int
 
 
@@ -204,7 +204,7 @@ class DeferredOutputs:
         self.versions: list[int] = []  # each output's version counter at its call
         self.dtype: torch.dtype | None = None  # the first output's dtype, and whether another was admitted since
         self.mixed = False
-        self._groups: list[_OutputGroup | _MultiGroup | _AloneGroup] = []
+        self._groups: list[_OutputGroup | _AloneGroup] = []
         self._where: list[GroupRow] | None = None  # each output's group and row, with several groups
         # The outputs changed in place after their calls, by row: not measured (the values now are not what the call
         # returned), each shown as such (`measurement`).
@@ -251,7 +251,7 @@ class DeferredOutputs:
                 pass
             else:
                 if _measurable(stacked):
-                    whole = _OutputGroup(stacked, first.dtype, tuple(first.shape))
+                    whole = _stacked_group(stacked, first.dtype, tuple(first.shape))
                     self._groups = [whole]
                     return [DtypeRows(whole.rows, first.dtype)]
         groups: dict[tuple[torch.dtype, torch.Size, torch.device], list[int]] = {}
@@ -260,16 +260,13 @@ class DeferredOutputs:
                 groups.setdefault((tensor.dtype, tensor.shape, tensor.device), []).append(row)
         except RuntimeError:  # a nested tensor has no shape: each output measured on its own
             groups = {(first.dtype, torch.Size(), first.device): list(range(len(tensors)))}
-        where: dict[int, GroupRow] = {}
-        read: list[DtypeRows] = []
-        for (dtype, shape, _), rows in groups.items():
-            group = _group([tensors[row] for row in rows], dtype, tuple(shape))
-            read += group.read()
-            self._groups.append(group)
-            for place, row in enumerate(rows):
-                where[row] = GroupRow(group, place)
-        self._where = [where[row] for row in range(len(tensors))]
-        return read
+        return self._placed(
+            [
+                (_group([tensors[row] for row in rows], dtype, tuple(shape)), rows)
+                for (dtype, shape, _), rows in groups.items()
+            ],
+            len(tensors),
+        )
 
     def _measure_multi(self, tensors: list[torch.Tensor]) -> list[DtypeRows]:
         """`measure` on CUDA: the outputs of one device and dtype, any shapes, in seven multi-tensor ops
@@ -288,19 +285,24 @@ class DeferredOutputs:
                 groups.setdefault((tensor.dtype, tensor.device), []).append(row)
             else:
                 alone.append(row)
-        where: dict[int, GroupRow] = {}
-        read: list[DtypeRows] = []
-        parts: list[tuple[_MultiGroup | _AloneGroup, list[int]]] = [
-            (_MultiGroup([tensors[row] for row in rows], dtype), rows) for (dtype, _), rows in groups.items()
+        parts: list[tuple[_OutputGroup | _AloneGroup, list[int]]] = [
+            (_multi_group([tensors[row] for row in rows], dtype), rows) for (dtype, _), rows in groups.items()
         ]
         if alone:
             parts.append((_AloneGroup([tensors[row] for row in alone]), alone))
+        return self._placed(parts, len(tensors))
+
+    def _placed(self, parts: list[tuple[_OutputGroup | _AloneGroup, list[int]]], count: int) -> list[DtypeRows]:
+        """The groups the outputs were measured in, each with its outputs' rows (of `count`): kept, each output's
+        group and place noted, and what the screen reads of them."""
+        where: dict[int, GroupRow] = {}
+        read: list[DtypeRows] = []
         for group, rows in parts:
             read += group.read()
             self._groups.append(group)
             for place, row in enumerate(rows):
                 where[row] = GroupRow(group, place)
-        self._where = [where[row] for row in range(len(tensors))]
+        self._where = [where[row] for row in range(count)]
         return read
 
     def measurement(self, row: int) -> Measurement:
@@ -328,41 +330,29 @@ def _group(tensors: list[torch.Tensor], dtype: torch.dtype, shape: tuple[int, ..
         stacked = torch.stack(tensors)
     except RuntimeError:  # layouts differ, or a layout torch cannot stack
         return _AloneGroup(tensors)
-    return _OutputGroup(stacked, dtype, shape) if _measurable(stacked) else _AloneGroup(tensors)
+    return _stacked_group(stacked, dtype, shape) if _measurable(stacked) else _AloneGroup(tensors)
+
+
+def _stacked_group(stacked: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> _OutputGroup:
+    """Outputs of one dtype, shape and device, stacked: reduced row by row."""
+    values = stacked.abs_().view(len(stacked), -1)
+    return _OutputGroup(Rows(values.amin(1), values.amax(1)), dtype, [shape] * len(stacked))
+
+
+def _multi_group(tensors: list[torch.Tensor], dtype: torch.dtype) -> _OutputGroup:
+    """Outputs of one device and dtype, any shapes, measured with multi-tensor kernels (CUDA's way:
+    core/stats/pooled.py)."""
+    return _OutputGroup(Rows(*multi_tensor_range(tensors)), dtype, [tuple(tensor.shape) for tensor in tensors])
 
 
 class _OutputGroup:
-    """Deferred outputs of one dtype, shape and device, measured as one stack (`rows`), and the rows' measurement
-    objects made so far."""
-
-    __slots__ = ("rows", "dtype", "shape", "made")
-
-    def __init__(self, stacked: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
-        values = stacked.abs_().view(len(stacked), -1)
-        self.rows = Rows(values.amin(1), values.amax(1))
-        self.dtype, self.shape = dtype, shape
-        self.made: dict[int, StackedMeasurement] = {}
-
-    def read(self) -> list[DtypeRows]:
-        return [DtypeRows(self.rows, self.dtype)]
-
-    def measurement(self, row: int) -> StackedMeasurement:
-        found = self.made.get(row)
-        if found is None:
-            found = self.made[row] = StackedMeasurement(self.rows, row, self.dtype, self.shape)
-        return found
-
-
-class _MultiGroup:
-    """Deferred outputs of one device and dtype, any shapes, measured with multi-tensor kernels (an accelerator's
-    way: core/stats/pooled.py)."""
+    """Deferred outputs of one dtype and device measured together (`rows`, one row each, with each output's shape),
+    and the rows' measurement objects made so far."""
 
     __slots__ = ("rows", "dtype", "shapes", "made")
 
-    def __init__(self, tensors: list[torch.Tensor], dtype: torch.dtype) -> None:
-        self.rows = Rows(*multi_tensor_range(tensors))
-        self.dtype = dtype
-        self.shapes = [tuple(tensor.shape) for tensor in tensors]
+    def __init__(self, rows: Rows, dtype: torch.dtype, shapes: list[tuple[int, ...]]) -> None:
+        self.rows, self.dtype, self.shapes = rows, dtype, shapes
         self.made: dict[int, StackedMeasurement] = {}
 
     def read(self) -> list[DtypeRows]:
